@@ -1,0 +1,93 @@
+"""Optimisers and the warmup + cosine learning-rate schedule, built in one place for every
+module: the paper's pretraining (Adam), fine-tuning (SGD with momentum) and from-scratch
+(Adam, high weight decay) recipes differ only by these settings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimiser and schedule.
+
+    Args:
+        name: `adamw` (Adam with decoupled weight decay) or `sgd` (with momentum).
+        lr: peak learning rate, reached at the end of the warmup.
+        weight_decay: applied to weight matrices only (linear and convolution weights);
+            biases, norms, the class token and the embeddings are never decayed.
+        betas: Adam's β1, β2.
+        momentum: SGD's momentum.
+        warmup_steps: linear warmup from 0 to `lr`.
+        final_lr: learning rate at the last step, reached by cosine decay.
+    """
+
+    name: Literal["adamw", "sgd"]
+    lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.9
+    warmup_steps: int = 0
+    final_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer.name must be adamw or sgd, got {self.name!r}")
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr must be positive, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be non-negative, got {self.weight_decay}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be non-negative, got {self.warmup_steps}")
+        if not 0.0 <= self.final_lr <= self.lr:
+            raise ValueError(f"optimizer.final_lr must be in [0, lr], got {self.final_lr}")
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Split parameters into a decayed group (weight matrices) and an undecayed one (the rest)."""
+    decayed = {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and module.weight.requires_grad
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if id(p) in decayed], "weight_decay": weight_decay},
+        {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0},
+    ]
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, final_ratio: float) -> float:
+    """Multiplier of the peak learning rate at `step`: linear warmup, then cosine decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def configure_optimizer(model: nn.Module, config: OptimizerConfig, total_steps: int) -> dict[str, Any]:
+    """The optimiser and its per-step schedule, in the form `configure_optimizers` returns."""
+    groups = parameter_groups(model, config.weight_decay)
+    # fused kernels where available: one launch for all parameters on GPU.
+    fused = {"fused": True} if all(p.is_cuda for g in groups for p in g["params"]) else {}
+    if config.name == "adamw":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **fused)
+    else:
+        optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **fused)
+    if config.warmup_steps >= total_steps:
+        raise ValueError(
+            f"optimizer.warmup_steps ({config.warmup_steps}) must be below the run's "
+            f"{total_steps} optimiser steps (trainer.max_steps / max_epochs)"
+        )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: warmup_cosine(
+            step, warmup_steps=config.warmup_steps, total_steps=total_steps, final_ratio=config.final_lr / config.lr
+        ),
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

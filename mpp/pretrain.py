@@ -1,0 +1,151 @@
+"""MaskedPatchPretraining: the self-supervised objective of section 4.6 as a LightningModule.
+
+shards -> batch -> targets (raw pixels) -> normalise -> embed patches -> corrupt
+-> add positions -> blocks -> head on corrupted positions -> loss
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any, NamedTuple
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+
+from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
+from mpp.images import Normalise, to_unit_range
+from mpp.optim import OptimizerConfig, configure_optimizer
+from mpp.targets import TargetConfig, prediction_accuracy, prediction_loss
+from mpp.vit import ViT, ViTConfig
+
+
+class MPPOutput(NamedTuple):
+    """predictions: (B, M, K), (B, M, S, K) or (B, M, P²C); targets: (B, M), (B, M, S)
+    or (B, M, P²C); corrupted: which patches were corrupted and how."""
+
+    predictions: Tensor
+    targets: Tensor
+    corrupted: CorruptedPatches
+
+
+def pick(values: Tensor, positions: Tensor) -> Tensor:
+    """(B, N, ...) values, (B, M) positions -> (B, M, ...) the values at those positions."""
+    index = positions.view(*positions.shape, *([1] * (values.dim() - 2)))
+    return values.gather(1, index.expand(-1, -1, *values.shape[2:]))
+
+
+def as_config(value: Any, cls: type) -> Any:
+    """A config dataclass from itself or from its dict (as checkpoints store it)."""
+    return value if isinstance(value, cls) else cls(**value)
+
+
+def total_steps(trainer: pl.Trainer) -> int:
+    """Optimiser steps of the run, which the learning-rate schedule spans."""
+    steps = trainer.estimated_stepping_batches
+    if not math.isfinite(steps):
+        raise ValueError("the run's length is unknown: set trainer.max_steps (the schedule decays over it)")
+    return int(steps)
+
+
+class MaskedPatchPretraining(pl.LightningModule):
+    """A ViT encoder pretrained by predicting a target (the 3-bit mean colour) of every
+    corrupted patch from that patch's representation.
+
+    Args:
+        encoder: the ViT architecture.
+        optimizer: optimiser and schedule (the paper: Adam, 2e-4, 10k warmup, cosine).
+        corruption: share of patches corrupted and the mask / random / keep split.
+        target: what is predicted per corrupted patch.
+        pixel_mean: normalisation of the encoder's input, one value or one per channel.
+        pixel_std: likewise.
+    """
+
+    def __init__(
+        self,
+        *,
+        encoder: ViTConfig,
+        optimizer: OptimizerConfig,
+        corruption: CorruptionConfig = CorruptionConfig(),
+        target: TargetConfig = TargetConfig(),
+        pixel_mean: Sequence[float] = (0.5,),
+        pixel_std: Sequence[float] = (0.5,),
+    ) -> None:
+        super().__init__()
+        # Stored as plain dicts so that checkpoints load without unpickling project classes.
+        self.encoder_config = as_config(encoder, ViTConfig)
+        self.optimizer_config = as_config(optimizer, OptimizerConfig)
+        self.corruption = as_config(corruption, CorruptionConfig)
+        self.target = as_config(target, TargetConfig)
+        self.save_hyperparameters(
+            {
+                "encoder": asdict(self.encoder_config),
+                "optimizer": asdict(self.optimizer_config),
+                "corruption": asdict(self.corruption),
+                "target": asdict(self.target),
+                "pixel_mean": list(pixel_mean),
+                "pixel_std": list(pixel_std),
+            }
+        )
+        self.encoder = ViT(self.encoder_config)
+        self.normalise = Normalise(mean=pixel_mean, std=pixel_std)
+        self.normalise.check_channels(self.encoder_config.channels)
+        self.mask_token = nn.Parameter(torch.empty(self.encoder_config.dim))
+        nn.init.normal_(self.mask_token, std=0.02)
+        patch_size, channels = self.encoder_config.patch_size, self.encoder_config.channels
+        self.predictions_per_patch = self.target.predictions_per_patch()
+        self.outputs = self.target.outputs_per_prediction(channels=channels, patch_size=patch_size)
+        self.head = nn.Linear(self.encoder_config.dim, self.predictions_per_patch * self.outputs)
+        nn.init.xavier_uniform_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def targets(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) in [0, 1] -> (B, N, ...) the target of every patch."""
+        return self.target.compute(images, patch_size=self.encoder_config.patch_size)
+
+    def predict(self, representations: Tensor) -> Tensor:
+        """(B, M, D) corrupted patches' representations -> their predictions."""
+        predictions = self.head(representations)
+        if self.target.kind == "downsized_colour":
+            predictions = predictions.unflatten(-1, (self.predictions_per_patch, self.outputs))
+        return predictions
+
+    def forward(self, images: Tensor) -> MPPOutput:
+        """(B, C, H, W) images in [0, 1] -> predictions and targets of the corrupted patches."""
+        targets = self.targets(images)
+        patches = self.encoder.embed_patches(self.normalise(images))
+        corrupted = corrupt_patches(patches, mask_token=self.mask_token, config=self.corruption)
+        _, representations = self.encoder.encode(self.encoder.add_positions(corrupted.tokens))
+        predictions = self.predict(pick(representations, corrupted.positions))
+        return MPPOutput(predictions, pick(targets, corrupted.positions), corrupted)
+
+    def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor:
+        images = batch["image"] if isinstance(batch, dict) else batch
+        output = self(to_unit_range(images))
+        loss = prediction_loss(output.predictions, output.targets)
+        batch_size = images.shape[0]
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
+        if not output.targets.is_floating_point():
+            accuracy = prediction_accuracy(output.predictions, output.targets)
+            self.log(f"{stage}/mpp_accuracy", accuracy, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
+        if stage == "train":
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch_size)
+        return loss
+
+    def training_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
+        return self._step(batch, "val")
+
+    def test_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
+        return self._step(batch, "test")
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Fine-tuning rebuilds the encoder from this alone.
+        checkpoint["encoder_config"] = asdict(self.encoder_config)

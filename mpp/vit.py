@@ -1,0 +1,218 @@
+"""The Vision Transformer encoder of Dosovitskiy et al. (2021): pre-LN blocks, a class token,
+learned 1-D position embeddings, and a final LayerNorm.
+
+The encoder exposes the steps the pretraining and fine-tuning modules compose
+(`embed_patches`, `add_positions`, `encode`) so that masked patch prediction can corrupt
+patch embeddings between the projection and the position embeddings without reaching
+into the encoder's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+Size2d = tuple[int, int]
+
+
+def pair(value: int | tuple[int, int] | list[int]) -> Size2d:
+    """An int or a (height, width) pair as a (height, width) tuple."""
+    if isinstance(value, int):
+        return (value, value)
+    height, width = value
+    return (int(height), int(width))
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """The architecture of a ViT encoder; presets Ti/S/B/L/H live in `configs/model/`.
+
+    Args:
+        image_size: input height and width in pixels (an int for square images).
+        patch_size: patch height and width in pixels; must divide `image_size`.
+        dim: token width D.
+        depth: number of transformer blocks L.
+        heads: attention heads; must divide `dim`.
+        mlp_dim: hidden width of each block's MLP.
+        channels: input channels C.
+        dropout: dropout after the position embeddings, in the MLP and after attention.
+    """
+
+    image_size: int | tuple[int, int]
+    patch_size: int | tuple[int, int]
+    dim: int
+    depth: int
+    heads: int
+    mlp_dim: int
+    channels: int = 3
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "depth", "heads", "mlp_dim", "channels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"encoder.{name} must be at least 1, got {getattr(self, name)}")
+        if self.dim % self.heads:
+            raise ValueError(f"encoder.dim ({self.dim}) must be divisible by encoder.heads ({self.heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"encoder.dropout must be in [0, 1), got {self.dropout}")
+        for (image, patch, axis) in zip(pair(self.image_size), pair(self.patch_size), ("height", "width")):
+            if patch < 1 or image < 1 or image % patch:
+                raise ValueError(
+                    f"encoder.patch_size {self.patch_size} must divide encoder.image_size "
+                    f"{self.image_size} ({axis} {image} is not a multiple of {patch})"
+                )
+
+    @property
+    def grid(self) -> Size2d:
+        """Patches along (height, width)."""
+        (image_h, image_w), (patch_h, patch_w) = pair(self.image_size), pair(self.patch_size)
+        return (image_h // patch_h, image_w // patch_w)
+
+    @property
+    def num_patches(self) -> int:
+        """N = HW / P²."""
+        grid_h, grid_w = self.grid
+        return grid_h * grid_w
+
+
+def patchify(images: Tensor, patch_size: int | tuple[int, int]) -> Tensor:
+    """(B, C, H, W) -> (B, N, P_h·P_w·C), patches in row-major order, pixels (p_h, p_w, c)."""
+    patch_h, patch_w = pair(patch_size)
+    return rearrange(images, "b c (gh ph) (gw pw) -> b (gh gw) (ph pw c)", ph=patch_h, pw=patch_w)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention through the fused `scaled_dot_product_attention` kernels."""
+
+    def __init__(self, *, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(dropout)
+
+    def split_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, D) -> q, k, v each (B, heads, T, D / heads)."""
+        qkv = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.heads)
+        return qkv[0], qkv[1], qkv[2]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, T, D) -> (B, T, D)."""
+        q, k, v = self.split_heads(x)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj_drop(self.proj(rearrange(out, "b h t d -> b t (h d)")))
+
+
+class MLP(nn.Module):
+    """Linear-GELU-Linear, the position-wise feed-forward of each block."""
+
+    def __init__(self, *, dim: int, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, T, D) -> (B, T, D)."""
+        return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: z' = MSA(LN(z)) + z; z = MLP(LN(z')) + z'."""
+
+    def __init__(self, *, dim: int, heads: int, mlp_dim: int, dropout: float) -> None:
+        super().__init__()
+        # eps 1e-6 as in the reference JAX implementation.
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim=dim, heads=heads, dropout=dropout)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = MLP(dim=dim, hidden=mlp_dim, dropout=dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, T, D) -> (B, T, D)."""
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ViT(nn.Module):
+    """The ViT encoder; `forward(images)` is the image representation y = LN(z_L^0).
+
+    Args:
+        config: the architecture (see `ViTConfig`).
+    """
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.grid = config.grid
+        self.patch_embed = nn.Conv2d(
+            config.channels, config.dim, kernel_size=pair(config.patch_size), stride=pair(config.patch_size)
+        )
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, config.dim))
+        self.pos_embed = nn.Parameter(torch.empty(1, 1 + config.num_patches, config.dim))
+        self.pos_drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(
+            Block(dim=config.dim, heads=config.heads, mlp_dim=config.mlp_dim, dropout=config.dropout)
+            for _ in range(config.depth)
+        )
+        self.norm = nn.LayerNorm(config.dim, eps=1e-6)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialise as the reference implementation: Xavier-uniform weights, zero biases."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        # The patch projection is a linear map of the flattened patch: initialise it as one.
+        nn.init.xavier_uniform_(self.patch_embed.weight.view(self.config.dim, -1))
+        nn.init.zeros_(self.patch_embed.bias)
+        nn.init.normal_(self.pos_embed, std=0.02)
+        nn.init.zeros_(self.cls_token)
+
+    def embed_patches(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, N, D): the linear projection of every patch."""
+        if images.shape[-2:] != tuple(dim * patch for dim, patch in zip(self.grid, pair(self.config.patch_size))):
+            raise ValueError(
+                f"images of size {tuple(images.shape[-2:])} do not fit the encoder's "
+                f"{self.grid} grid of {pair(self.config.patch_size)} patches"
+            )
+        return rearrange(self.patch_embed(images), "b d gh gw -> b (gh gw) d")
+
+    def add_positions(self, patches: Tensor) -> Tensor:
+        """(B, N, D) -> (B, 1 + N, D): prepend the class token, add position embeddings."""
+        cls = self.cls_token.expand(patches.shape[0], -1, -1)
+        return self.pos_drop(torch.cat([cls, patches], dim=1) + self.pos_embed)
+
+    def encode(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, 1 + N, D) -> class-token representation (B, D), patch representations (B, N, D)."""
+        for block in self.blocks:
+            tokens = block(tokens)
+        tokens = self.norm(tokens)
+        return tokens[:, 0], tokens[:, 1:]
+
+    def forward(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) -> (B, D), the image representation y = LN(z_L^0)."""
+        representation, _ = self.encode(self.add_positions(self.embed_patches(images)))
+        return representation
+
+    @torch.no_grad()
+    def resize_positions(self, image_size: int | tuple[int, int]) -> None:
+        """Adapt the encoder to a new image size: 2-D interpolation of the patch position
+        embeddings onto the new grid; the class-token embedding is kept as it is."""
+        config = ViTConfig(**{**self.config.__dict__, "image_size": pair(image_size)})
+        if config.grid != self.grid:
+            patch_pos = rearrange(self.pos_embed[:, 1:], "1 (gh gw) d -> 1 d gh gw", gh=self.grid[0])
+            # Bicubic in float32: interpolating in bf16 loses the small std-0.02 values.
+            patch_pos = F.interpolate(patch_pos.float(), size=config.grid, mode="bicubic", align_corners=False)
+            patch_pos = rearrange(patch_pos, "1 d gh gw -> 1 (gh gw) d").to(self.pos_embed.dtype)
+            self.pos_embed = nn.Parameter(torch.cat([self.pos_embed[:, :1], patch_pos], dim=1))
+        self.config, self.grid = config, config.grid

@@ -1,0 +1,137 @@
+"""The encoder: parameter counts, patchify, attention, positions and their resize."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from einops import rearrange
+
+from mpp import ViT, ViTConfig, patchify
+
+PRESETS = Path(__file__).parents[1] / "configs" / "model"
+
+
+def preset(name: str, **overrides) -> ViTConfig:
+    return ViTConfig(**{**yaml.safe_load((PRESETS / f"vit_{name}.yaml").read_text()), **overrides})
+
+
+def count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_vit_b16_has_the_papers_parameter_count():
+    assert count(ViT(preset("b", image_size=224, patch_size=16))) == 85_798_656
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    # Expected counts from the architecture: per block 4D² + 4D (attention) + 2·D·F + D + F (MLP)
+    # + 4D (two norms); plus the patch projection, class token, positions and final norm.
+    [("ti", None), ("s", None), ("b", 85_798_656)],
+)
+def test_preset_parameter_count_matches_the_formula(name, expected):
+    config = preset(name, image_size=224, patch_size=16)
+    d, f, n = config.dim, config.mlp_dim, config.num_patches
+    per_block = (4 * d * d + 4 * d) + (2 * d * f + d + f) + 4 * d
+    formula = config.depth * per_block + (16 * 16 * 3 * d + d) + d + (n + 1) * d + 2 * d
+    assert count(ViT(config)) == formula
+    if expected is not None:
+        assert formula == expected
+
+
+def test_patchify_matches_explicit_slicing():
+    images = torch.randn(2, 3, 12, 20)
+    patches = patchify(images, (4, 5))
+    assert patches.shape == (2, 3 * 4, 4 * 5 * 3)
+    for row in range(3):
+        for col in range(4):
+            expected = images[:, :, row * 4 : (row + 1) * 4, col * 5 : (col + 1) * 5]
+            expected = expected.permute(0, 2, 3, 1).reshape(2, -1)  # (p_h, p_w, c) order
+            torch.testing.assert_close(patches[:, row * 4 + col], expected)
+
+
+def test_patch_embedding_is_a_linear_projection_of_flattened_patches():
+    model = ViT(ViTConfig(image_size=(8, 12), patch_size=4, dim=16, depth=1, heads=2, mlp_dim=32, channels=2))
+    images = torch.randn(3, 2, 8, 12)
+    weight = rearrange(model.patch_embed.weight, "d c ph pw -> d (ph pw c)")
+    expected = patchify(images, 4) @ weight.T + model.patch_embed.bias
+    torch.testing.assert_close(model.embed_patches(images), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_attention_matches_the_textbook_formula():
+    model = ViT(ViTConfig(image_size=8, patch_size=4, dim=32, depth=1, heads=4, mlp_dim=64))
+    attention = model.blocks[0].attn
+    x = torch.randn(2, 5, 32)
+    q, k, v = attention.split_heads(x)
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+    expected = attention.proj(rearrange(weights @ v, "b h t d -> b t (h d)"))
+    torch.testing.assert_close(attention(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_block_is_pre_norm_residual():
+    model = ViT(ViTConfig(image_size=8, patch_size=4, dim=16, depth=1, heads=2, mlp_dim=32))
+    block = model.blocks[0]
+    x = torch.randn(2, 5, 16)
+    z = x + block.attn(block.norm1(x))
+    torch.testing.assert_close(block(x), z + block.mlp(block.norm2(z)))
+
+
+def test_representation_is_the_normed_class_token_and_non_square_inputs_work():
+    config = ViTConfig(image_size=(16, 24), patch_size=(8, 4), dim=24, depth=2, heads=3, mlp_dim=48, channels=5)
+    model = ViT(config).eval()
+    images = torch.randn(2, 5, 16, 24)
+    tokens = model.add_positions(model.embed_patches(images))
+    assert tokens.shape == (2, 1 + 2 * 6, 24)
+    cls, patches = model.encode(tokens)
+    assert patches.shape == (2, 12, 24)
+    torch.testing.assert_close(model(images), cls)
+    # The final LayerNorm: zero mean, unit variance per token (its affine is the identity at init).
+    torch.testing.assert_close(cls.mean(-1), torch.zeros(2), atol=1e-5, rtol=0)
+
+
+def test_position_embeddings_are_initialised_with_std_002():
+    model = ViT(preset("b", image_size=224, patch_size=16))
+    assert abs(model.pos_embed.std().item() - 0.02) < 0.001
+
+
+def test_resize_to_the_same_grid_is_the_identity():
+    model = ViT(ViTConfig(image_size=28, patch_size=4, dim=16, depth=1, heads=2, mlp_dim=32))
+    before = model.pos_embed.detach().clone()
+    model.resize_positions(28)
+    torch.testing.assert_close(model.pos_embed, before)
+
+
+def test_resize_interpolates_the_grid_and_keeps_the_class_embedding():
+    model = ViT(ViTConfig(image_size=28, patch_size=4, dim=8, depth=1, heads=2, mlp_dim=16))
+    # A position embedding that is a smooth (linear) function of the grid coordinates.
+    rows, cols = torch.meshgrid(torch.arange(7.0), torch.arange(7.0), indexing="ij")
+    with torch.no_grad():
+        model.pos_embed[0, 1:] = (rows + 2 * cols).flatten().unsqueeze(-1).expand(-1, 8)
+    cls_before = model.pos_embed[0, 0].detach().clone()
+    model.resize_positions((32, 28))  # 7x7 -> 8x7
+    assert model.pos_embed.shape == (1, 1 + 8 * 7, 8)
+    assert model.grid == (8, 7) and model.config.image_size == (32, 28)
+    torch.testing.assert_close(model.pos_embed[0, 0], cls_before)
+    grid = model.pos_embed[0, 1:, 0].reshape(8, 7)
+    # Columns are untouched in width; rows are stretched: still increasing, same range ends.
+    torch.testing.assert_close(grid[:, 1] - grid[:, 0], torch.full((8,), 2.0), atol=1e-4, rtol=0)
+    assert (grid[1:, 0] > grid[:-1, 0]).all()
+    assert model(torch.randn(1, 3, 32, 28)).shape == (1, 8)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [({"patch_size": 5}, "patch_size"), ({"heads": 5}, "heads"), ({"dropout": 1.5}, "dropout"), ({"depth": 0}, "depth")],
+)
+def test_bad_configs_fail_naming_the_key(overrides, key):
+    settings = {"image_size": 28, "patch_size": 4, "dim": 16, "depth": 1, "heads": 2, "mlp_dim": 32, **overrides}
+    with pytest.raises(ValueError, match=key):
+        ViTConfig(**settings)
+
+
+def test_wrong_image_size_fails_clearly():
+    model = ViT(ViTConfig(image_size=28, patch_size=4, dim=16, depth=1, heads=2, mlp_dim=32))
+    with pytest.raises(ValueError, match="do not fit"):
+        model(torch.randn(1, 3, 32, 32))
