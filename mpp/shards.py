@@ -1,0 +1,190 @@
+"""Write image sets as WebDataset tar shards with a JSON sidecar."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from tqdm import tqdm
+
+
+from mpp.sources import EOF_MARKER, FORMAT, ShardError, Source
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How `write_shards` selects, orders, encodes and splits samples."""
+
+    shard_samples: int = 1000
+    shard_bytes: int | None = None  # a sample bigger than this gets a shard of its own
+    resize_short: int | None = None
+    image_format: str = "png"
+    quality: int = 95  # JPEG only
+    limit: int | None = None  # the first N images, before shuffling
+    seed: int | None = None  # shuffle the sample order when set
+    overwrite: bool = False
+    skip_bad: bool = False  # skip undecodable source images instead of stopping
+    progress: bool = True
+
+
+def storable(image: Image.Image, image_format: str) -> Image.Image:
+    """Convert to the nearest of L / LA / RGB / RGBA the format can hold; grey stays grey."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit scans: keep the top 8 bits
+        image = Image.fromarray((np.clip(np.asarray(image), 0, 65535) >> 8).astype(np.uint8))
+    grey = image.mode in ("1", "L", "LA", "La", "F")
+    alpha = image.mode.endswith(("A", "a")) or (image.mode == "P" and "transparency" in image.info)
+    target = ("L" if grey else "RGB") + ("A" if alpha and image_format == "png" else "")
+    return image if image.mode == target else image.convert(target)
+
+
+def encode_image(image: Image.Image, image_format: str = "png", quality: int = 95,
+                 resize_short: int | None = None) -> bytes:
+    """PNG or JPEG bytes of `image`, optionally resized so its short side is `resize_short`."""
+    image = storable(image, image_format)
+    if resize_short and min(image.size) != resize_short:
+        scale = resize_short / min(image.size)
+        size = tuple(max(resize_short, round(s * scale)) for s in image.size)
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    buffer = io.BytesIO()
+    if image_format == "png":
+        image.save(buffer, "PNG")  # PIL writes no timestamps: same pixels, same bytes
+    else:
+        image.save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+def _member_bytes(size: int) -> int:
+    return tarfile.BLOCKSIZE + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def _tar_bytes(members: int) -> int:
+    """File size of a tar whose members take `members` bytes: end marker, record padding."""
+    return -(-(members + len(EOF_MARKER)) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+
+class _ShardWriter:
+    """Rolls over to a new `<prefix>-NNNNNN.tar` when a count or byte limit would be passed."""
+
+    def __init__(self, out_dir: Path, prefix: str, options: WriteOptions) -> None:
+        self.out_dir, self.prefix, self.options = out_dir, prefix, options
+        self.shards: list[dict[str, Any]] = []
+        self.path = out_dir / f"{prefix}-000000.tar"
+        self.tar: tarfile.TarFile | None = None
+        self.count = self.used = 0
+
+    def add(self, members: list[tuple[str, bytes]]) -> None:
+        size = sum(_member_bytes(len(data)) for _, data in members)
+        limit = self.options.shard_bytes
+        if self.tar is not None and (self.count >= self.options.shard_samples
+                                     or (limit and _tar_bytes(self.used + size) > limit)):
+            self.finish()
+        if self.tar is None:
+            self.path = self.out_dir / f"{self.prefix}-{len(self.shards):06d}.tar"
+            # Written under a temporary name: an interrupted run leaves no complete-looking shard.
+            self.tar = tarfile.open(self.temporary, "w", format=tarfile.USTAR_FORMAT)
+            self.count = self.used = 0
+        for name, data in members:
+            # Fixed metadata so that rebuilding gives byte-identical shards.
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            self.tar.addfile(info, io.BytesIO(data))
+        self.count += 1
+        self.used += size
+
+    @property
+    def temporary(self) -> Path:
+        return self.path.with_name(self.path.name + ".tmp")
+
+    def finish(self) -> None:
+        if self.tar is None:
+            return
+        self.tar.close()
+        self.tar = None
+        os.replace(self.temporary, self.path)
+        self.shards.append({"name": self.path.name, "samples": self.count,
+                            "bytes": self.path.stat().st_size})
+
+    def abort(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+            self.tar = None
+            self.temporary.unlink(missing_ok=True)
+
+
+def _existing_outputs(out_dir: Path, prefix: str) -> list[Path]:
+    shards = sorted(p for p in out_dir.glob(f"{prefix}-*.tar")
+                    if re.fullmatch(rf"{re.escape(prefix)}-\d{{6}}\.tar", p.name))
+    return shards + [p for p in [out_dir / f"{prefix}.json"] if p.exists()]
+
+
+def write_shards(source: Source, out_dir: Path, prefix: str, options: WriteOptions = WriteOptions()
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """Write `<prefix>-NNNNNN.tar` shards and `<prefix>.json`; return the sidecar and skipped images."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", prefix):
+        raise ShardError(f"prefix {prefix!r}: use letters, digits, '_' and '-' (keys must have no '.')")
+    if options.image_format not in ("png", "jpg"):
+        raise ShardError(f"image format {options.image_format!r}: choose png or jpg")
+    if options.shard_samples < 1 or (options.shard_bytes is not None and options.shard_bytes < 1):
+        raise ShardError("shard limits must be positive")
+    if not 1 <= options.quality <= 100:
+        raise ShardError(f"JPEG quality {options.quality}: choose 1..100")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    old = _existing_outputs(out_dir, prefix)
+    if old and not options.overwrite:
+        raise ShardError(f"{old[0]} already exists; pass --overwrite to replace the {prefix} shards")
+    order = list(range(len(source) if options.limit is None else min(options.limit, len(source))))
+    if options.seed is not None:
+        random.Random(options.seed).shuffle(order)
+    width = max(7, len(str(len(source) - 1)))
+    writer, skipped = _ShardWriter(out_dir, prefix, options), []
+    try:
+        for index in tqdm(order, desc=prefix, unit="img", disable=not options.progress):
+            try:
+                image = source.load(index)
+            except ShardError as error:
+                if not options.skip_bad:
+                    raise
+                skipped.append(str(error))
+                continue
+            key = f"{prefix}_{index:0{width}d}"  # the source index, so shuffled keys still trace back
+            try:
+                data = encode_image(image, options.image_format, options.quality, options.resize_short)
+            except (OSError, ValueError) as error:
+                raise ShardError(f"{source.origin(index)}: cannot encode as "
+                                 f"{options.image_format} ({error})") from None
+            members = [(f"{key}.{options.image_format}", data)]
+            if source.labels[index] is not None:
+                members.append((f"{key}.cls", str(source.labels[index]).encode("ascii")))
+            writer.add(members)
+        writer.finish()
+        if not writer.shards:
+            raise ShardError(f"nothing written for {prefix}: the source is empty, the limit is 0 "
+                             f"or every image was skipped")
+    except BaseException:
+        writer.abort()
+        raise
+    sidecar = {"format": FORMAT, "prefix": prefix, "shards": writer.shards,
+               "samples": sum(s["samples"] for s in writer.shards),
+               "classes": list(source.classes) if source.classes is not None else None,
+               "image_format": options.image_format}
+    sidecar_path = out_dir / f"{prefix}.json"
+    temporary = sidecar_path.with_name(sidecar_path.name + ".tmp")
+    temporary.write_text(json.dumps(sidecar, indent=1) + "\n")
+    os.replace(temporary, sidecar_path)
+    # Shards left from an earlier, larger run would silently join a glob or brace pattern.
+    written = {s["name"] for s in writer.shards}
+    for path in old:
+        if path.suffix == ".tar" and path.name not in written:
+            path.unlink()
+    return sidecar, skipped
