@@ -1,0 +1,109 @@
+"""Training-step throughput of the ViT-B/16 MPP step next to timm's `vit_base_patch16_224`
+classification step, in the same process, alternating, at the same batch size.
+
+Both steps are forward + backward + AdamW update on random data (uint8 images for MPP, as
+the data module yields them; float images and labels for timm). timm is a benchmark-only
+dependency: `make bench` installs it in its own environment.
+
+    python tools/bench_step.py --batch 8 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+
+from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
+from mpp.images import to_unit_range
+from mpp.targets import prediction_loss
+
+PRESET = Path(__file__).parents[1] / "configs" / "model" / "vit_b.yaml"
+
+
+def mpp_step(batch: int, image_size: int, device: torch.device) -> Callable[[], None]:
+    """One MPP training step of ViT-B/16 on a fixed random batch."""
+    config = ViTConfig(**yaml.safe_load(PRESET.read_text()), image_size=image_size, patch_size=16)
+    model = MaskedPatchPretraining(encoder=config, optimizer=OptimizerConfig(name="adamw", lr=1e-4)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    images = torch.randint(0, 256, (batch, 3, image_size, image_size), dtype=torch.uint8, device=device)
+
+    def step() -> None:
+        out = model(to_unit_range(images))
+        loss = prediction_loss(out.predictions, out.targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def timm_step(batch: int, image_size: int, device: torch.device) -> Callable[[], None]:
+    """One classification training step of timm's ViT-B/16 on a fixed random batch."""
+    import timm
+
+    model = timm.create_model("vit_base_patch16_224", img_size=image_size).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    images = torch.rand(batch, 3, image_size, image_size, device=device)
+    labels = torch.randint(0, 1000, (batch,), device=device)
+
+    def step() -> None:
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def timed(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds one step takes, synchronised on GPUs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps of each, alternating")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each first")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    steps = {"mpp ViT-B/16 (MPP step)": mpp_step(args.batch, args.image_size, device),
+             "timm vit_base_patch16_224 (classification step)": timm_step(args.batch, args.image_size, device)}
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeats):
+        for name, step in steps.items():  # alternate so that machine noise hits both alike
+            seconds[name].append(timed(step, device))
+
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"batch {args.batch}, {args.image_size} px, {args.repeats} alternating repeats, median step time\n")
+    print("| step | s/step | img/s |\n|---|---|---|")
+    rates = {}
+    for name, times in seconds.items():
+        median = statistics.median(times)
+        rates[name] = args.batch / median
+        print(f"| {name} | {median:.3f} | {rates[name]:.2f} |")
+    mine, theirs = rates.values()
+    print(f"\nratio mpp / timm: {mine / theirs:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
