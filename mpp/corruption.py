@@ -58,11 +58,13 @@ class CorruptedPatches(NamedTuple):
     tokens: (B, N, D) patch embeddings after corruption.
     positions: (B, M) indices of the corrupted patches, M = round(ratio · N).
     kinds: (B, M) what happened to each: MASKED, REPLACED or KEPT.
+    sources: (B, M) the patch whose embedding a REPLACED patch received (its own index otherwise).
     """
 
     tokens: Tensor
     positions: Tensor
     kinds: Tensor
+    sources: Tensor
 
 
 def corrupt_patches(
@@ -102,14 +104,18 @@ def corrupt_patches(
         offsets = torch.zeros_like(positions)
     others = (positions + offsets) % num_patches
 
-    def gather(index: Tensor) -> Tensor:
-        return patches.gather(1, index.unsqueeze(-1).expand(-1, -1, dim))  # (B, M, D)
-
-    original = gather(positions)
+    original = pick(patches, positions)  # (B, M, D)
     replacement = torch.where(
         (kinds == MASKED).unsqueeze(-1),
         mask_token.to(patches.dtype).expand_as(original),
-        torch.where((kinds == REPLACED).unsqueeze(-1), gather(others), original),
+        torch.where((kinds == REPLACED).unsqueeze(-1), pick(patches, others), original),
     )
     tokens = patches.scatter(1, positions.unsqueeze(-1).expand(-1, -1, dim), replacement)
-    return CorruptedPatches(tokens=tokens, positions=positions, kinds=kinds)
+    sources = torch.where(kinds == REPLACED, others, positions)
+    return CorruptedPatches(tokens=tokens, positions=positions, kinds=kinds, sources=sources)
+
+
+def pick(values: Tensor, positions: Tensor) -> Tensor:
+    """(B, N, ...) values, (B, M) positions -> (B, M, ...) the values at those positions."""
+    index = positions.view(*positions.shape, *([1] * (values.dim() - 2)))
+    return values.gather(1, index.expand(-1, -1, *values.shape[2:]))

@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
-from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
+from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches, pick
 from mpp.images import Normalise, to_unit_range
 from mpp.optim import OptimizerConfig, configure_optimizer
 from mpp.targets import TargetConfig, prediction_accuracy, prediction_loss
@@ -29,12 +29,6 @@ class MPPOutput(NamedTuple):
     predictions: Tensor
     targets: Tensor
     corrupted: CorruptedPatches
-
-
-def pick(values: Tensor, positions: Tensor) -> Tensor:
-    """(B, N, ...) values, (B, M) positions -> (B, M, ...) the values at those positions."""
-    index = positions.view(*positions.shape, *([1] * (values.dim() - 2)))
-    return values.gather(1, index.expand(-1, -1, *values.shape[2:]))
 
 
 def as_config(value: Any, cls: type) -> Any:

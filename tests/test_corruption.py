@@ -64,6 +64,7 @@ def test_each_kind_does_what_it_says_and_unselected_patches_are_untouched():
             else:
                 matches = [j for j in range(n) if torch.equal(token, patches[b, j])]
                 assert len(matches) == 1 and matches[0] != position  # another patch, never itself
+                assert out.sources[b, out.positions[b].tolist().index(position)] == matches[0]
     assert all(count > 0 for count in seen.values())
 
 
