@@ -79,11 +79,6 @@ def configure_optimizer(model: nn.Module, config: OptimizerConfig, total_steps: 
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **fused)
     else:
         optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **fused)
-    if config.warmup_steps >= total_steps:
-        raise ValueError(
-            f"optimizer.warmup_steps ({config.warmup_steps}) must be below the run's "
-            f"{total_steps} optimiser steps (trainer.max_steps / max_epochs)"
-        )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: warmup_cosine(
