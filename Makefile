@@ -3,10 +3,14 @@ PYTHON ?= python3
 VENV   ?= .venv
 # The torch build to install before the package. On Linux x86_64 the default
 # wheel of this release is a CUDA build, so a machine with a GPU gets one; pick
-# another build with e.g. `make test TORCH="torch==2.13.0+cpu"`.
+# another release or build with e.g. `make test TORCH="torch==2.9.1"`.
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+
+# Benchmarks compare against timm, which needs torchvision and the torch it was built for.
+BENCH_VENV  ?= .venv-bench
+BENCH_TORCH ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: demo test test-slow bench clean
 
@@ -26,5 +30,14 @@ test: $(VENV)/.installed
 test-slow: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m slow
 
+$(BENCH_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip --disable-pip-version-check -q install $(BENCH_TORCH)
+	$(BENCH_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[bench]"
+	touch $@
+
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python tools/bench_step.py --batch 8 --repeats 5
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(BENCH_VENV) runs
