@@ -1,0 +1,128 @@
+"""A lean reader for tar shards: regular files front to back, grouped into samples by key.
+
+Python's tarfile spends ~0.1 ms per shard sample parsing headers, a tenth of the cost of
+decoding a 256 px JPEG; this reader handles what shard writers emit (ustar, GNU long
+names, pax path/size records) at a fraction of that. Compressed tars are not read.
+A stream that ends before the end-of-archive marker (wherever it stops), or a header that
+fails its checksum, raises tarfile.ReadError.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+BLOCK = 512
+_END = bytes(BLOCK)
+_REGULAR = (b"0", b"\x00", b"7")
+
+
+def iter_files(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
+    """Yield (member name, contents) for every regular file in a tar stream."""
+    long_name: str | None = None
+    pax: dict[str, str] = {}
+    while True:
+        header = _read_exact(stream, BLOCK, "a header")
+        if header is None:
+            raise tarfile.ReadError("the stream ended before the end-of-archive marker: a truncated tar")
+        if header == _END:
+            return
+        _check(header)
+        kind = header[156:157]
+        size = int(pax["size"]) if "size" in pax else _number(header[124:136])
+        data = _read_exact(stream, size, "member data")
+        if data is None:
+            raise tarfile.ReadError("the stream ended where member data was due")
+        if size % BLOCK and _read_exact(stream, BLOCK - size % BLOCK, "padding") is None:
+            raise tarfile.ReadError("the stream ended inside a member's padding")
+        if kind == b"x":
+            pax = _pax_records(data)
+        elif kind == b"L":
+            long_name = data.rstrip(b"\x00").decode("utf-8", "surrogateescape")
+        elif kind == b"g":
+            continue  # global pax defaults: nothing a shard reader uses
+        else:
+            if kind in _REGULAR:
+                yield pax.get("path") or long_name or _header_name(header), data
+            long_name, pax = None, {}
+
+
+def iter_samples(stream: BinaryIO) -> Iterator[dict[str, Any]]:
+    """Group consecutive files by key into samples {"__key__": key, extension: bytes}.
+
+    The key is the name up to the first dot of its last path part ("a/b.seg.png" -> key
+    "a/b", extension "seg.png"); names starting "__" are metadata and skipped. When the stream
+    breaks off, the sample in hand is dropped (it may lack a member) and the error raised.
+    """
+    sample: dict[str, Any] = {}
+    for name, data in iter_files(stream):
+        folder, _, base = name.rpartition("/")
+        key, dot, extension = base.partition(".")
+        if not dot or key.startswith("__"):
+            continue
+        key = f"{folder}/{key}" if folder else key
+        if sample and sample["__key__"] != key:
+            yield sample
+            sample = {}
+        sample["__key__"] = key
+        sample[extension.lower()] = data
+    if sample:
+        yield sample
+
+
+def _read_exact(stream: BinaryIO, size: int, what: str) -> bytes | None:
+    """Exactly `size` bytes; None at a clean end of stream, ReadError when it stops part-way."""
+    data = stream.read(size)
+    if len(data) == size:
+        return data
+    if not data:
+        return None if size else b""
+    parts = [data]
+    got = len(data)
+    while got < size:
+        more = stream.read(size - got)
+        if not more:
+            raise tarfile.ReadError(f"the stream ended inside {what} ({got} of {size} bytes)")
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _check(header: bytes) -> None:
+    stored = _number(header[148:156])
+    unsigned = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    if stored != unsigned:
+        raise tarfile.ReadError(f"bad tar header checksum ({stored} != {unsigned}): not a tar, or corrupt")
+
+
+def _number(field: bytes) -> int:
+    if field[0] & 0x80:  # GNU base-256, for sizes of 8 GiB and more
+        return int.from_bytes(field[1:], "big")
+    digits = field.split(b"\x00", 1)[0].strip()
+    try:
+        return int(digits, 8) if digits else 0
+    except ValueError:
+        raise tarfile.ReadError(f"bad number {field!r} in a tar header: not a tar, or corrupt") from None
+
+
+def _header_name(header: bytes) -> str:
+    name = header[:100].split(b"\x00", 1)[0]
+    if header[257:263] == b"ustar\x00":  # POSIX ustar keeps a path prefix
+        prefix = header[345:500].split(b"\x00", 1)[0]
+        if prefix:
+            name = prefix + b"/" + name
+    return name.decode("utf-8", "surrogateescape")
+
+
+def _pax_records(data: bytes) -> dict[str, str]:
+    """Pax extended header records "<length> <key>=<value>\\n" -> {key: value}."""
+    records: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        records[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return records

@@ -1,0 +1,140 @@
+"""Per-sample image work for the shard pipeline: decode, any PIL mode -> 8-bit, crop, resize.
+
+Everything happens in PIL on one sample's encoded bytes; the result is a uint8 array
+(H, W, C) with no normalisation (the model needs raw pixels for its colour targets), which
+the data pipeline collates into (B, C, H, W) tensors.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+
+import numpy as np
+from PIL import Image
+
+# Member extensions read as a sample's image, in order of preference.
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")
+
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
+
+
+def to_8bit(image: Image.Image) -> Image.Image:
+    """Any PIL mode -> "L" or "RGB" with 8 bits per channel; alpha is composited on black."""
+    mode = image.mode
+    if mode in ("L", "RGB"):
+        return image
+    if mode == "1":
+        return image.convert("L")
+    if mode == "I" or mode.startswith("I;16"):
+        # 16-bit PNG/TIFF: map 0..65535 onto 0..255 (Pillow's own convert clips at 255).
+        wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
+        return Image.fromarray(((wide + 128) // 257).astype(np.uint8), "L")
+    if mode == "F":
+        # Float images are taken to hold intensities in [0, 1].
+        unit = np.nan_to_num(np.asarray(image, dtype=np.float32), nan=0.0)
+        return Image.fromarray(np.rint(np.clip(unit, 0.0, 1.0) * 255).astype(np.uint8), "L")
+    alpha = mode in ("LA", "La", "RGBA", "RGBa", "PA") or "transparency" in image.info
+    if mode in ("LA", "La"):
+        return _on_black(image.convert("LA"), "L")
+    if alpha:
+        return _on_black(image.convert("RGBA"), "RGB")
+    return image.convert("RGB")  # P, CMYK, YCbCr, LAB, HSV, RGBX
+
+
+def _on_black(image: Image.Image, mode: str) -> Image.Image:
+    """Composite an image with an alpha band over black: colour * alpha / 255."""
+    canvas = Image.new(mode, image.size, 0)
+    canvas.paste(image.convert(mode), mask=image.getchannel("A"))
+    return canvas
+
+
+def random_resized_box(
+    width: int, height: int, *, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random
+) -> Box:
+    """A random crop covering a `scale` fraction of the area with aspect w/h in `ratio` (Inception-style)."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left = rng.randint(0, width - w)
+            top = rng.randint(0, height - h)
+            return (left, top, left + w, top + h)
+    # No draw fitted (extreme ratios or tiny images): the largest centred crop within `ratio`.
+    aspect = min(max(width / height, ratio[0]), ratio[1])
+    w, h = (width, width / aspect) if width / height <= aspect else (height * aspect, height)
+    return ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
+
+
+def center_box(width: int, height: int, *, size: tuple[int, int], crop_fraction: float) -> Box:
+    """The centred region kept by "resize to cover size / crop_fraction, then centre-crop size"."""
+    out_h, out_w = size
+    zoom = max(out_h / crop_fraction / height, out_w / crop_fraction / width)
+    w, h = out_w / zoom, out_h / zoom
+    return ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
+
+
+class ImageTransform:
+    """Encoded image bytes -> uint8 array (H, W, channels).
+
+    Training: random resized crop (`scale`, `ratio`) and, if `hflip`, a horizontal flip half
+    of the time. Evaluation: resize to cover size / crop_fraction, then centre-crop `size`.
+    Images smaller than the crop are upscaled. Picklable, so DataLoader workers can use it.
+    """
+
+    def __init__(
+        self,
+        *,
+        size: tuple[int, int],
+        channels: int,
+        train: bool,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        hflip: bool = True,
+        crop_fraction: float = 0.875,
+    ) -> None:
+        self.size, self.channels, self.train = size, channels, train
+        self.scale, self.ratio, self.hflip, self.crop_fraction = scale, ratio, hflip, crop_fraction
+
+    def __call__(self, data: bytes, rng: random.Random) -> np.ndarray:
+        """Decode, crop and resize one image -> (H, W, channels) uint8."""
+        image = Image.open(io.BytesIO(data))
+        if self.train:
+            box = random_resized_box(image.width, image.height, scale=self.scale, ratio=self.ratio, rng=rng)
+        else:
+            box = center_box(image.width, image.height, size=self.size, crop_fraction=self.crop_fraction)
+        box = _draft(image, box, self.size, self.channels)
+        image = to_8bit(image)
+        out_h, out_w = self.size
+        # One resize with `box` crops and scales in a single pass, with no intermediate copy.
+        image = image.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box)
+        if self.train and self.hflip and rng.random() < 0.5:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        wanted = "L" if self.channels == 1 else "RGB"
+        if image.mode != wanted:  # converted after the resize, where it touches fewer pixels
+            image = image.convert(wanted)
+        pixels = np.asarray(image)  # (H, W) or (H, W, C), read-only
+        return pixels[:, :, None] if pixels.ndim == 2 else pixels
+
+
+def _draft(image: Image.Image, box: Box, size: tuple[int, int], channels: int) -> Box:
+    """Let a JPEG decode at 1/2..1/8 scale (grey if wanted) where the crop still covers `size`.
+
+    Returns the crop box in the drafted image's pixels; other formats pass through unchanged.
+    """
+    if image.format != "JPEG":
+        return box
+    crop_w, crop_h = box[2] - box[0], box[3] - box[1]
+    # The full-image size at which the crop still has at least as many pixels as the output.
+    wanted = (math.ceil(image.width * size[1] / crop_w), math.ceil(image.height * size[0] / crop_h))
+    width = image.width
+    drafted = image.draft("L" if channels == 1 else "RGB", wanted)
+    if drafted is None:
+        return box
+    shrink = drafted[1][2] / width
+    return (box[0] * shrink, box[1] * shrink, box[2] * shrink, box[3] * shrink)

@@ -1,0 +1,271 @@
+"""ShardDataModule: coverage, splitting, epochs, bad input, image modes, crops."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from PIL import Image
+from shardkit import encode, read_all, sample, write_shard, write_shards
+
+from mpp.data import ShardDataModule
+from mpp.transforms import ImageTransform
+
+
+def make(train: str | list[str], **kw: object) -> ShardDataModule:
+    config = {"batch_size": 4, "num_workers": 0, "image_size": 8, "shuffle_buffer": 8, **kw}
+    return ShardDataModule(train=train, **config)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """8 shards x 3 samples, numbered 0..23."""
+    return write_shards(tmp_path_factory.mktemp("shards"), shards=8, per_shard=3)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_every_sample_once_with_its_label(shards: str, num_workers: int) -> None:
+    dm = make(shards, num_workers=num_workers)
+    dm.setup("fit")
+    labels, skipped, _ = read_all(dm.train_dataloader())
+    assert sorted(labels) == list(range(24)) and skipped == 0
+
+
+def test_batches_are_uint8_dicts_of_the_requested_shape(shards: str) -> None:
+    dm = make(shards, image_size=(6, 10), channels=1, shuffle_buffer=0)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch) == {"image", "label", "skipped"}
+    assert batch["image"].shape == (4, 1, 6, 10) and batch["image"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_and_workers_partition_the_samples(shards: str, world_size: int) -> None:
+    seen: Counter[int] = Counter()
+    for rank in range(world_size):
+        dm = make(shards, num_workers=2)
+        dm.setup("fit", rank=rank, world_size=world_size)
+        labels, _, _ = read_all(dm.train_dataloader())
+        assert labels, f"rank {rank} of {world_size} read nothing"
+        seen.update(labels)
+    assert sorted(seen) == list(range(24)) and set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_resampled_ranks_get_equal_batch_counts_and_different_streams(shards: str, world_size: int) -> None:
+    streams = []
+    for rank in range(world_size):
+        dm = make(shards, num_workers=2, resampled=True, samples_per_epoch=64)
+        dm.setup("fit", rank=rank, world_size=world_size)
+        loader = dm.train_dataloader()
+        labels, _, batches = read_all(loader)
+        assert batches == len(loader) == 64 // (world_size * 4)
+        assert len(labels) == batches * 4
+        streams.append(labels)
+    assert len({tuple(s) for s in streams}) == world_size
+
+
+def test_shard_order_changes_with_the_epoch_and_repeats_with_it(shards: str) -> None:
+    dm = make(shards, shuffle_buffer=0)
+    dm.setup("fit")
+
+    def shard_order(epoch: int) -> list[int]:
+        dm.set_epoch(epoch)
+        labels, _, _ = read_all(dm.train_dataloader())
+        assert sorted(labels) == list(range(24))
+        return list(dict.fromkeys(label // 3 for label in labels))
+
+    first, second = shard_order(0), shard_order(1)
+    assert first != second and shard_order(0) == first
+
+
+def test_resampled_stream_changes_with_the_epoch(shards: str) -> None:
+    dm = make(shards, num_workers=2, resampled=True, samples_per_epoch=32)
+    dm.setup("fit")
+    dm.set_epoch(0)
+    first, _, _ = read_all(dm.train_dataloader())
+    dm.set_epoch(1)
+    second, _, _ = read_all(dm.train_dataloader())
+    assert first != second
+
+
+class _Recorder(pl.LightningModule):
+    """Records the labels of every training batch, per epoch, and of every validation batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.epochs: list[list[int]] = []
+        self.validated: list[int] = []
+
+    def on_train_epoch_start(self) -> None:
+        self.epochs.append([])
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self.validated.extend(batch["label"].tolist())
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.epochs[-1].extend(batch["label"].tolist())
+        return (self.weight * batch["image"].float().mean()).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_trainer_epochs_reshuffle_shards_across_worker_restarts(shards: str, tmp_path: Path) -> None:
+    dm = make(shards, val=shards, num_workers=2, shuffle_buffer=0)
+    model = _Recorder()
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=dm)
+    assert [sorted(e) for e in model.epochs] == [list(range(24))] * 2
+    assert model.epochs[0] != model.epochs[1]
+    assert sorted(model.validated) == sorted(list(range(24)) * 2)
+
+
+def test_bad_samples_are_skipped_and_counted(tmp_path: Path) -> None:
+    good = write_shards(tmp_path, shards=2, per_shard=4)
+    corrupt = sample(100, ext="jpg")
+    corrupt["jpg"] = corrupt["jpg"][: len(corrupt["jpg"]) // 2]  # a JPEG cut short
+    garbage = {**sample(101), "png": b"not an image at all"}
+    no_image = {"__key__": "sample000102", "cls": b"102"}
+    mixed = write_shard(tmp_path / "mixed.tar", [sample(8), corrupt, sample(9), garbage, no_image, sample(10)])
+    whole = write_shard(tmp_path / "whole.tar", [sample(i) for i in range(11, 15)])
+    with tarfile.open(whole) as tar:
+        cut = tar.getmembers()[3].offset_data + 10  # inside sample 12's image
+    truncated = tmp_path / "truncated.tar"
+    truncated.write_bytes(Path(whole).read_bytes()[:cut])
+    for num_workers in (0, 2):
+        dm = make([good, str(truncated), mixed], num_workers=num_workers)
+        dm.setup("fit")
+        labels, skipped, _ = read_all(dm.train_dataloader())
+        assert sorted(labels) == list(range(12)) and skipped == 4
+
+
+def test_a_stream_with_nothing_readable_fails_instead_of_spinning(tmp_path: Path) -> None:
+    empty = tmp_path / "empty-000000.tar"
+    empty.write_bytes(b"")
+    dm = make(str(empty), resampled=True, samples_per_epoch=8)
+    dm.setup("fit")
+    with pytest.raises(RuntimeError, match="in a row were unreadable.*empty-000000.tar"):
+        next(iter(dm.train_dataloader()))
+
+
+def test_unlabelled_samples_get_minus_one(tmp_path: Path) -> None:
+    dm = make(write_shards(tmp_path, shards=1, per_shard=3, labelled=False))
+    dm.setup("fit")
+    labels, _, _ = read_all(dm.train_dataloader())
+    assert labels == [-1, -1, -1]
+
+
+def test_missing_or_empty_shard_specs_fail_naming_them(shards: str, tmp_path: Path) -> None:
+    missing = str(tmp_path / "train-{000000..000001}.tar")
+    with pytest.raises(FileNotFoundError, match="train-000000.tar"):
+        make(missing).setup("fit")
+    with pytest.raises(FileNotFoundError, match="nothing-"):
+        make(str(tmp_path / "nothing-*.tar")).setup("fit")
+    with pytest.raises(ValueError, match="empty"):
+        make([]).setup("fit")
+    with pytest.raises(ValueError, match="'train'"):
+        ShardDataModule(val=shards).setup("fit")
+    with pytest.raises(ValueError, match="samples_per_epoch"):
+        make(shards, resampled=True)
+
+
+def test_pipe_urls_need_allow_pipe(shards: str, tmp_path: Path) -> None:
+    path = write_shards(tmp_path, shards=1, per_shard=3).replace("{000000..000000}", "000000")
+    with pytest.raises(ValueError, match="allow_pipe"):
+        make(f"pipe:cat {path}").setup("fit")
+    dm = make(f"pipe:cat {path}", allow_pipe=True)
+    dm.setup("fit")
+    labels, _, _ = read_all(dm.train_dataloader())
+    assert sorted(labels) == [0, 1, 2]
+
+
+def _image(mode: str) -> tuple[Image.Image, str]:
+    """A 20x16 image in `mode`, and a format that stores that mode."""
+    grey = Image.linear_gradient("L").resize((20, 16))
+    images = {
+        "1": (grey.convert("1"), "png"), "L": (grey, "png"), "LA": (Image.merge("LA", [grey, grey]), "png"),
+        "P": (grey.convert("RGB").convert("P"), "png"), "RGB": (grey.convert("RGB"), "jpg"),
+        "RGBA": (Image.merge("RGBA", [grey] * 4), "png"), "CMYK": (grey.convert("CMYK"), "jpg"),
+        "I;16": (Image.fromarray(np.asarray(grey).astype(np.uint16) * 257), "png"),
+        "I": (Image.fromarray(np.asarray(grey).astype(np.int32) * 257), "tif"),
+        "F": (Image.fromarray(np.asarray(grey).astype(np.float32) / 255), "tif"),
+    }
+    return images[mode]
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "I;16", "I", "F"])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_every_mode_becomes_uint8_of_the_requested_channels(mode: str, channels: int) -> None:
+    image, ext = _image(mode)
+    data = encode(image, ext)
+    assert Image.open(io.BytesIO(data)).mode == mode
+    for train in (True, False):
+        out = ImageTransform(size=(8, 6), channels=channels, train=train)(data, random.Random(0))
+        assert out.shape == (8, 6, channels) and out.dtype == np.uint8
+
+
+@pytest.mark.parametrize(("mode", "value", "expected"), [
+    ("I;16", 65535, 255), ("I;16", 257 * 100, 100), ("I;16", 0, 0), ("1", 1, 255),
+])
+def test_bit_depths_scale_to_8_bits(mode: str, value: int, expected: int) -> None:
+    data = encode(Image.new(mode, (5, 5), value), "png")
+    out = ImageTransform(size=(4, 4), channels=1, train=False)(data, random.Random(0))
+    assert (out == expected).all()
+
+
+def test_alpha_is_composited_on_black() -> None:
+    half = Image.new("RGBA", (6, 6), (200, 100, 50, 128))
+    out = ImageTransform(size=(4, 4), channels=3, train=False)(encode(half), random.Random(0))
+    assert out[0, 0].tolist() == [100, 50, 25]
+    clear = Image.new("LA", (6, 6), (255, 0))
+    assert (ImageTransform(size=(4, 4), channels=1, train=False)(encode(clear), random.Random(0)) == 0).all()
+
+
+def test_small_images_are_upscaled() -> None:
+    data = sample(7, size=(3, 2))["png"]
+    for train in (True, False):
+        out = ImageTransform(size=(16, 16), channels=3, train=train)(data, random.Random(0))
+        assert out.shape == (16, 16, 3) and (out[..., 0] == 7).all()
+
+
+def test_eval_is_a_deterministic_centre_crop() -> None:
+    # A wide image, red | green | blue: the centre crop of its short side (x 30..50) is green,
+    # with room to spare for the resampling filter's reach.
+    wide = Image.new("RGB", (80, 20), (0, 255, 0))
+    wide.paste((255, 0, 0), (0, 0, 25, 20))
+    wide.paste((0, 0, 255), (55, 0, 80, 20))
+    transform = ImageTransform(size=(10, 10), channels=3, train=False, crop_fraction=1.0)
+    first = transform(encode(wide), random.Random(1))
+    assert np.array_equal(first, transform(encode(wide), random.Random(2)))
+    assert (first[..., 1] >= 250).all() and (first[..., 0] <= 5).all() and (first[..., 2] <= 5).all()
+
+
+def test_training_crops_vary_and_follow_the_seed() -> None:
+    data = encode(Image.linear_gradient("L").convert("RGB"), "jpg")
+    transform = ImageTransform(size=(16, 16), channels=3, train=True)
+    crops = [transform(data, random.Random(seed)) for seed in (0, 0, 1)]
+    assert np.array_equal(crops[0], crops[1]) and not np.array_equal(crops[0], crops[2])
+
+
+def test_reduced_jpeg_decoding_keeps_the_crop_in_place() -> None:
+    # Quadrants of colour, 256 px: an 8 px output lets libjpeg decode at 1/8 scale.
+    image = Image.new("RGB", (256, 192), (255, 0, 0))
+    image.paste((0, 0, 255), (128, 0, 256, 96))
+    image.paste((0, 255, 0), (0, 96, 128, 192))
+    jpeg = encode(image, "jpg", quality=95)
+    lossless = encode(Image.open(io.BytesIO(jpeg)), "png")  # the same pixels, decoded in full
+    for train in (False, True):
+        transform = ImageTransform(size=(8, 12), channels=3, train=train, scale=(0.5, 1.0))
+        drafted, full = transform(jpeg, random.Random(3)), transform(lossless, random.Random(3))
+        assert np.abs(drafted.astype(int) - full.astype(int)).mean() < 6
