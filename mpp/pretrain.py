@@ -94,6 +94,8 @@ class MaskedPatchPretraining(pl.LightningModule):
         self.head = nn.Linear(self.encoder_config.dim, self.predictions_per_patch * self.outputs)
         nn.init.xavier_uniform_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        # Evaluation tally of target classes, for the majority-class baseline.
+        self.register_buffer("target_counts", torch.zeros(self.outputs, dtype=torch.long), persistent=False)
 
     def targets(self, images: Tensor) -> Tensor:
         """(B, C, H, W) in [0, 1] -> (B, N, ...) the target of every patch."""
@@ -124,6 +126,8 @@ class MaskedPatchPretraining(pl.LightningModule):
         if not output.targets.is_floating_point():
             accuracy = prediction_accuracy(output.predictions, output.targets)
             self.log(f"{stage}/mpp_accuracy", accuracy, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
+            if stage != "train":
+                self.target_counts += torch.bincount(output.targets.flatten(), minlength=self.outputs)
         if stage == "train":
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch_size)
         return loss
@@ -136,6 +140,23 @@ class MaskedPatchPretraining(pl.LightningModule):
 
     def test_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
         return self._step(batch, "test")
+
+    def on_validation_epoch_start(self) -> None:
+        self.target_counts.zero_()
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_majority_accuracy("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_majority_accuracy("test")
+
+    def _log_majority_accuracy(self, stage: str) -> None:
+        """The baseline for `mpp_accuracy`: always predicting the most common target class."""
+        counts = self.trainer.strategy.reduce(self.target_counts.float(), reduce_op="sum")
+        if counts.sum() > 0:
+            self.log(f"{stage}/majority_accuracy", counts.max() / counts.sum())
 
     def configure_optimizers(self) -> dict[str, Any]:
         return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer))

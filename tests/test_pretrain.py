@@ -111,3 +111,17 @@ def test_lightning_fit_trains_logs_and_checkpoints(tmp_path):
 def test_normalisation_that_fits_no_channel_count_fails():
     with pytest.raises(ValueError, match="normalisation"):
         module(pixel_mean=(0.5, 0.5), pixel_std=(0.5, 0.5))
+
+
+def test_validation_reports_the_majority_class_baseline(tmp_path):
+    class Dark(BlockImages):
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            image = torch.zeros_like(self.images[index])
+            if index % 2:  # half the images white: the baseline is exactly one half
+                image += 255
+            return {"image": image, "label": torch.tensor(-1)}
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    (metrics,) = trainer.validate(module(), DataLoader(Dark(8), batch_size=4))
+    assert metrics["val/majority_accuracy"] == pytest.approx(0.5)
+    assert 0.0 <= metrics["val/mpp_accuracy"] <= 1.0
