@@ -1,0 +1,106 @@
+"""Lightning callbacks that watch a run: throughput and skipped samples, and pictures of
+the pretraining predictions. Each reads the batch and the module's public outputs only."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from PIL import Image
+from pytorch_lightning.loggers import WandbLogger
+
+from mpp.images import to_unit_range
+from mpp.pictures import prediction_panel
+
+
+class ThroughputMonitor(pl.Callback):
+    """Logs `train/throughput` (images per second over all ranks) and `data/skipped` (the
+    total of samples the data pipeline skipped), every `trainer.log_every_n_steps` steps.
+
+    Counting stays on the device between logging steps, so it adds no host-device sync.
+    """
+
+    def __init__(self) -> None:
+        self.images = 0
+        self.started: float | None = None
+        self.skipped: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if isinstance(batch, dict):
+            self.images += len(batch["image"])
+            if "skipped" in batch:
+                skipped = batch["skipped"].sum()
+                self.skipped = skipped if self.skipped is None else self.skipped + skipped
+        if trainer.global_step % trainer.log_every_n_steps or self.started is None:
+            return
+        elapsed = time.perf_counter() - self.started
+        if self.images and elapsed > 0:
+            rate = self.images * trainer.world_size / elapsed
+            pl_module.log("train/throughput", rate, prog_bar=True, on_step=True, on_epoch=False)
+        if self.skipped is not None:
+            # The running total of this rank, summed over ranks.
+            pl_module.log("data/skipped", self.skipped.float(), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True)
+        self.images, self.started = 0, time.perf_counter()
+
+
+class PredictionPictures(pl.Callback):
+    """Every `every_n_steps` steps, draws original | corrupted | predicted | true targets for a
+    few training images, saves the PNG under `<default_root_dir>/pictures/` and logs it to W&B.
+
+    Args:
+        every_n_steps: how often to draw.
+        max_images: how many images (rows) per picture.
+    """
+
+    def __init__(self, *, every_n_steps: int = 500, max_images: int = 4) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"PredictionPictures.every_n_steps must be at least 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.max_images = max_images
+
+    @torch.no_grad()
+    def draw(self, pl_module: pl.LightningModule, images: torch.Tensor) -> Any:
+        """(B, C, H, W) raw batch images -> (H', W', 3) uint8 picture of the module's predictions."""
+        images = to_unit_range(images[: self.max_images])
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            output = pl_module(images)
+        finally:
+            pl_module.train(was_training)
+        return prediction_panel(
+            images,
+            output.corrupted,
+            output.predictions,
+            target=pl_module.target,
+            patch_size=pl_module.encoder_config.patch_size,
+            max_images=self.max_images,
+        )
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps or not trainer.is_global_zero:
+            return
+        picture = self.draw(pl_module, batch["image"] if isinstance(batch, dict) else batch)
+        folder = Path(trainer.default_root_dir) / "pictures"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(picture).save(folder / f"step_{step:07d}.png")
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_image(
+                    key="pictures/predictions",
+                    images=[picture],
+                    step=step,
+                    caption=["original | corrupted | predicted | true"],
+                )

@@ -1,0 +1,142 @@
+"""The `mpp` console script: Lightning's CLI over any mpp module and the shard data module.
+
+    mpp fit --config configs/pretrain/demo.yaml
+    mpp fit --config configs/trainer/gpu.yaml --config configs/pretrain/vit_b16.yaml --trainer.max_steps 100
+    mpp fit --config configs/pretrain/demo.yaml --print_config > my_run.yaml
+
+The config's `model.class_path` picks the module (pretraining, fine-tuning, from scratch).
+"""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+from pytorch_lightning.loggers import WandbLogger
+
+from mpp.data import ShardDataModule
+
+log = logging.getLogger("mpp")
+
+
+def wandb_has_credentials() -> bool:
+    """Whether W&B could log in: an API key in the environment or in the netrc file."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host or "") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def choose_wandb_mode() -> str:
+    """Run W&B offline unless the user chose a mode or has credentials; returns the mode."""
+    if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
+        os.environ["WANDB_MODE"] = "offline"
+    return os.environ.get("WANDB_MODE", "online")
+
+
+class LoggedConfig(SaveConfigCallback):
+    """Saves the resolved config next to the run and hands it to the loggers (W&B's config)."""
+
+    def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        config = self.parser.dump(self.config, skip_none=False, format="json")
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"config": config})
+
+
+class MPPCLI(LightningCLI):
+    """LightningCLI that says what it runs before fitting and where the results are after."""
+
+    def before_instantiate_classes(self) -> None:
+        place_run_outputs(self.config.get(self.subcommand, self.config))
+
+    def before_fit(self) -> None:
+        self.trainer.print(run_summary(self.trainer, self.model, self.datamodule))
+
+    def after_fit(self) -> None:
+        self.trainer.print(results_summary(self.trainer))
+
+
+def place_run_outputs(config: Any) -> None:
+    """Put W&B records and checkpoints under `trainer.default_root_dir` where the config does
+    not say otherwise, so that `--trainer.default_root_dir` moves a whole run."""
+    root = config.trainer.default_root_dir
+    if root is None:
+        return
+    loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
+    for logger in loggers:
+        if getattr(logger, "class_path", "").endswith("WandbLogger") and logger.init_args.get("save_dir") in (None, "."):
+            logger.init_args.save_dir = root
+    for callback in config.trainer.callbacks or []:
+        if getattr(callback, "class_path", "").endswith("ModelCheckpoint") and callback.init_args.get("dirpath") is None:
+            callback.init_args.dirpath = str(Path(root) / "checkpoints")
+
+
+def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> str:
+    """The first lines a user reads: what trains, on what, where, and where the results go."""
+    params = sum(p.numel() for p in model.parameters())
+    encoder = getattr(model, "encoder_config", None)
+    checkpoint_dirs = sorted({str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)})
+    lines = [
+        f"mpp: {type(model).__name__}, {params / 1e6:.2f}M parameters"
+        + (f", encoder {encoder.dim}x{encoder.depth} ({encoder.heads} heads), {encoder.patch_size} px patches of {encoder.image_size} px images" if encoder else ""),
+        f"mpp: data train={data.hparams.get('train')} val={data.hparams.get('val')}",
+        f"mpp: world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s)), "
+        f"precision {trainer.precision}, max_steps {trainer.max_steps}",
+        f"mpp: run folder {trainer.default_root_dir}; checkpoints in {', '.join(checkpoint_dirs) or 'none'}",
+    ]
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            mode = os.environ.get("WANDB_MODE", "online")
+            lines.append(
+                f"mpp: W&B {mode} in {logger.save_dir}/wandb"
+                + (" (no API key found; upload later with `wandb sync <run folder>/wandb/offline-run-*`)" if mode == "offline" else "")
+            )
+    return "\n".join(lines)
+
+
+def results_summary(trainer: pl.Trainer) -> str:
+    """Where a finished run left its checkpoints, W&B records and pictures."""
+    lines = []
+    for callback in trainer.checkpoint_callbacks:
+        last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+        if last:
+            lines.append(f"mpp: checkpoint {last} (resume with --ckpt_path last)")
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            run_dir = Path(logger.experiment.dir).parent
+            hint = f" (upload with `wandb sync {run_dir}`)" if os.environ.get("WANDB_MODE") == "offline" else ""
+            lines.append(f"mpp: W&B run {run_dir}{hint}")
+    pictures = Path(trainer.default_root_dir) / "pictures"
+    if pictures.is_dir():
+        lines.append(f"mpp: pictures in {pictures}")
+    return "\n".join(lines)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the `mpp` console script."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    choose_wandb_mode()
+    MPPCLI(
+        pl.LightningModule,
+        ShardDataModule,
+        subclass_mode_model=True,
+        save_config_callback=LoggedConfig,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"parser_mode": "omegaconf"},
+        auto_configure_optimizers=False,
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

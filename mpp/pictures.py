@@ -1,0 +1,110 @@
+"""Pictures of what the model sees and predicts, one row per image:
+original | corrupted input | predicted targets | true targets.
+
+In the corrupted input, masked patches are drawn as a grey checkerboard and replaced
+patches show the pixels of the patch whose embedding they received. In the two target
+panels the corrupted patches show their (predicted or true) 3-bit colours and the other
+patches are dimmed copies of the original.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from mpp.corruption import MASKED, REPLACED, CorruptedPatches, pick
+from mpp.targets import TargetConfig
+from mpp.vit import pair, patchify
+
+
+def class_colours(classes: Tensor, *, bits: int, channels: int) -> Tensor:
+    """(...) colour classes -> (..., C) the centre of each class's colour cell, in [0, 1]."""
+    levels = 2**bits
+    digits = [(classes // levels ** (channels - 1 - c)) % levels for c in range(channels)]
+    return (torch.stack(digits, dim=-1).float() + 0.5) / levels
+
+
+def unpatchify(patches: Tensor, grid: tuple[int, int], patch_size: tuple[int, int], channels: int) -> Tensor:
+    """(B, N, P_h·P_w·C) -> (B, C, H, W), the inverse of `patchify`."""
+    return rearrange(
+        patches, "b (gh gw) (ph pw c) -> b c (gh ph) (gw pw)", gh=grid[0], gw=grid[1], ph=patch_size[0], c=channels
+    )
+
+
+def target_patches(values: Tensor, target: TargetConfig, patch_size: tuple[int, int], channels: int, reference: Tensor) -> Tensor:
+    """(B, M, ...) predictions as classes/pixels -> (B, M, P_h·P_w·C) pixels that show them.
+
+    `reference` (B, M, P_h·P_w·C) is the true patches, used to undo per-patch pixel normalisation.
+    """
+    if target.kind == "pixels":
+        if target.normalise_pixels:
+            mean = reference.mean(-1, keepdim=True)
+            std = reference.var(-1, keepdim=True, unbiased=False).add(1e-6).sqrt()
+            values = values * std + mean
+        return values.clamp(0, 1)
+    colours = class_colours(values, bits=target.bits, channels=channels)  # (B, M[, S], C)
+    if target.kind == "mean_colour":
+        return colours.unsqueeze(2).expand(-1, -1, patch_size[0] * patch_size[1], -1).flatten(2)
+    # Downsized colour: S = cells² cells, each a block of the patch.
+    cells = target.cells
+    blocks = rearrange(colours, "b m (ch cw) c -> b m ch cw c", ch=cells)
+    blocks = blocks.repeat_interleave(patch_size[0] // cells, 2).repeat_interleave(patch_size[1] // cells, 3)
+    return blocks.flatten(2)
+
+
+def checkerboard(patch_size: tuple[int, int], channels: int) -> Tensor:
+    """(P_h·P_w·C) a grey checkerboard that marks a masked patch."""
+    rows, cols = torch.meshgrid(torch.arange(patch_size[0]), torch.arange(patch_size[1]), indexing="ij")
+    board = 0.35 + 0.3 * (((rows // 2) + (cols // 2)) % 2).float()
+    return board.unsqueeze(-1).expand(-1, -1, channels).flatten()
+
+
+def prediction_panel(
+    images: Tensor,
+    corrupted: CorruptedPatches,
+    predictions: Tensor,
+    *,
+    target: TargetConfig,
+    patch_size: int | tuple[int, int],
+    max_images: int = 4,
+    min_height: int = 96,
+) -> np.ndarray:
+    """(B, C, H, W) images in [0, 1] with their corruption and predictions -> (H', W', 3) uint8."""
+    images = images[:max_images].detach().float().cpu()
+    batch, channels, height, width = images.shape
+    patch = pair(patch_size)
+    grid = (height // patch[0], width // patch[1])
+    positions = corrupted.positions[:batch].cpu()
+    kinds, sources = corrupted.kinds[:batch].cpu(), corrupted.sources[:batch].cpu()
+    predictions = predictions[:batch].detach().float().cpu()
+    if target.kind != "pixels":
+        predictions = predictions.argmax(-1)
+
+    original = patchify(images, patch)  # (B, N, P²C)
+    index = positions.unsqueeze(-1).expand(-1, -1, original.shape[-1])
+    chosen = original.gather(1, index)
+    source_pixels = original.gather(1, sources.unsqueeze(-1).expand_as(chosen))
+    shown = torch.where((kinds == REPLACED).unsqueeze(-1), source_pixels, chosen)
+    shown = torch.where((kinds == MASKED).unsqueeze(-1), checkerboard(patch, channels).expand_as(chosen), shown)
+    corrupted_input = original.scatter(1, index, shown)
+
+    truth = pick(target.compute(images, patch_size=patch), positions)
+    dimmed = original * 0.35
+    panels = [
+        images,
+        unpatchify(corrupted_input, grid, patch, channels),
+        unpatchify(dimmed.scatter(1, index, target_patches(predictions, target, patch, channels, chosen)), grid, patch, channels),
+        unpatchify(dimmed.scatter(1, index, target_patches(truth, target, patch, channels, chosen)), grid, patch, channels),
+    ]
+    if channels == 1:
+        panels = [panel.expand(-1, 3, -1, -1) for panel in panels]
+    elif channels != 3:
+        panels = [panel[:, :3] for panel in panels]
+    scale = max(1, -(-min_height // height))
+    gap = torch.ones(batch, 3, height, 1)  # a white line between panels
+    rows = torch.cat([torch.cat([p, gap], dim=-1) for p in panels], dim=-1)[..., :-1]
+    rows = rows.repeat_interleave(scale, -1).repeat_interleave(scale, -2)
+    picture = torch.cat([torch.cat([r, torch.ones(3, scale, r.shape[-1])], dim=-2) for r in rows], dim=-2)
+    return (picture.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()

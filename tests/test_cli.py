@@ -1,0 +1,142 @@
+"""The `mpp` command: configs load, bad ones fail early, and a real fit on the embedded shards
+writes checkpoints, resumes, and leaves an offline W&B run holding its metrics and pictures."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mpp.cli import main
+from wandb_records import config as wandb_config
+from wandb_records import history
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "pretrain" / "demo.yaml"
+QUICK = [
+    "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.limit_val_batches", "2",
+    "--trainer.log_every_n_steps", "2", "--trainer.enable_progress_bar", "false",
+]
+
+
+def print_config(*args: str) -> str:
+    """`mpp fit ... --print_config`, in this process: the resolved config as YAML."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        main(["fit", *args, "--print_config"])
+    assert exit_.value.code in (0, None)
+    return out.getvalue()
+
+
+def mpp(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
+    """The console script in a subprocess, offline, with its run under `run_dir`."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env.pop("WANDB_API_KEY", None)
+    command = [sys.executable, "-m", "mpp.cli", *args, "--trainer.default_root_dir", str(run_dir)]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_config_loads(config):
+    if config.parent.name == "model":  # a size preset replaces the encoder's size in a run config
+        resolved = yaml.safe_load(print_config("--config", str(DEMO), "--model.encoder", str(config)))
+        preset = yaml.safe_load(config.read_text())
+        assert preset.items() <= resolved["model"]["init_args"]["encoder"].items()
+    elif config.parent.name == "trainer":  # a hardware preset goes before a run config
+        resolved = yaml.safe_load(print_config("--config", str(config), "--config", str(DEMO)))
+        assert resolved["model"]["class_path"] == "mpp.MaskedPatchPretraining"
+    else:
+        resolved = yaml.safe_load(print_config("--config", str(config)))
+        assert resolved["model"]["init_args"]["encoder"]["patch_size"] >= 1
+
+
+def test_printed_config_feeds_back_as_a_config(tmp_path):
+    printed = print_config("--config", str(DEMO), "--trainer.max_steps", "7")
+    saved = tmp_path / "run.yaml"
+    saved.write_text(printed)
+    assert print_config("--config", str(saved)) == printed
+    assert yaml.safe_load(printed)["trainer"]["max_steps"] == 7
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        (["--model.init_args.encoder.dimm", "3"], "dimm"),
+        (["--data.batch_sise", "3"], "batch_sise"),
+        (["--model.init_args.optimizer.lr", "fast"], "lr"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_fail_naming_the_key(override, named, tmp_path):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(DEMO), *override, "--trainer.default_root_dir", str(tmp_path)])
+    assert exit_.value.code != 0
+    assert named in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        (["--model.init_args.corruption.ratio", "1.5"], "corruption.ratio"),
+        (["--model.init_args.corruption.mask", "0.7"], "sum to 1"),
+        (["--model.init_args.encoder.patch_size", "5"], "encoder.patch_size"),
+    ],
+)
+def test_impossible_values_fail_before_training(override, named, tmp_path):
+    result = mpp("fit", "--config", str(DEMO), *override, run_dir=tmp_path)
+    assert result.returncode != 0
+    assert named in result.stderr
+    assert "Training" not in result.stderr + result.stdout
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_fit_checkpoints_resumes_and_logs_to_wandb(tmp_path):
+    # The demo's callbacks, at intervals this short run reaches.
+    callbacks = yaml.safe_load(DEMO.read_text())["trainer"]["callbacks"]
+    for callback in callbacks:
+        for key in ("every_n_train_steps", "every_n_steps"):
+            if key in callback.get("init_args", {}):
+                callback["init_args"][key] = 2
+    often = tmp_path / "often.yaml"
+    often.write_text(yaml.safe_dump({"trainer": {"callbacks": callbacks}}))
+    first = mpp("fit", "--config", str(DEMO), "--config", str(often), *QUICK, "--trainer.max_steps", "4", run_dir=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = first.stdout + first.stderr
+    # The first lines say what runs, on what, and where it goes.
+    assert "MaskedPatchPretraining" in out and "fashion-mnist/train-" in out and "world size 1" in out
+    assert "W&B offline" in out and str(tmp_path / "checkpoints") in out
+    checkpoints = tmp_path / "checkpoints"
+    assert {"step0000002.ckpt", "step0000004.ckpt", "last.ckpt"} <= {p.name for p in checkpoints.iterdir()}
+    saved = torch.load(checkpoints / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 4 and saved["encoder_config"]["patch_size"] == 4
+
+    resumed = mpp(
+        "fit", "--config", str(DEMO), "--config", str(often), *QUICK, "--trainer.max_steps", "6", "--ckpt_path", "last",
+        run_dir=tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = torch.load(checkpoints / "last.ckpt", weights_only=True)
+    assert after["global_step"] == 6
+    # The schedule continued where it stopped rather than restarting its warmup.
+    assert after["lr_schedulers"][0]["last_epoch"] == 6
+    assert after["optimizer_states"][0]["state"][0]["step"].item() == 6
+
+    (first_run, _) = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    rows = history(first_run)
+    logged = set().union(*rows)
+    assert {"train/loss", "train/mpp_accuracy", "train/lr", "train/throughput", "data/skipped"} <= logged
+    losses = [row["train/loss"] for row in rows if "train/loss" in row]
+    assert all(0 < loss < 10 for loss in losses)
+    pictures = [row["pictures/predictions"] for row in rows if "pictures/predictions" in row]
+    assert pictures and pictures[0]["_type"] == "images/separated"
+    assert (first_run / "files" / pictures[0]["filenames"][0]).is_file()
+    assert (tmp_path / "pictures" / "step_0000002.png").is_file()
+    recorded = wandb_config(first_run)
+    assert "config" in recorded and "MaskedPatchPretraining" in str(recorded["config"])
