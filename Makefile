@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -e ".[test]"
 	touch $@
 
+# Pretrain a small ViT on the embedded FashionMNIST shards (a few minutes on two CPU cores).
 demo: $(VENV)/.installed
-	$(BIN)/python tools/demo.py
+	$(BIN)/mpp fit --config configs/pretrain/demo.yaml
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
