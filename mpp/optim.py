@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import pytorch_lightning as pl
 import torch
 from torch import nn
 
@@ -68,6 +69,14 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, final_ratio
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def total_steps(trainer: pl.Trainer) -> int:
+    """Optimiser steps of the run, which the learning-rate schedule spans."""
+    steps = trainer.estimated_stepping_batches
+    if not math.isfinite(steps):
+        raise ValueError("the run's length is unknown: set trainer.max_steps (the schedule decays over it)")
+    return int(steps)
 
 
 def configure_optimizer(model: nn.Module, config: OptimizerConfig, total_steps: int) -> dict[str, Any]:

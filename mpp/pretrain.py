@@ -6,7 +6,6 @@ shards -> batch -> targets (raw pixels) -> normalise -> embed patches -> corrupt
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple
@@ -17,7 +16,7 @@ from torch import Tensor, nn
 
 from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches, pick
 from mpp.images import Normalise, to_unit_range
-from mpp.optim import OptimizerConfig, configure_optimizer
+from mpp.optim import OptimizerConfig, configure_optimizer, total_steps
 from mpp.targets import TargetConfig, prediction_accuracy, prediction_loss
 from mpp.vit import ViT, ViTConfig
 
@@ -34,14 +33,6 @@ class MPPOutput(NamedTuple):
 def as_config(value: Any, cls: type) -> Any:
     """A config dataclass from itself or from its dict (as checkpoints store it)."""
     return value if isinstance(value, cls) else cls(**value)
-
-
-def total_steps(trainer: pl.Trainer) -> int:
-    """Optimiser steps of the run, which the learning-rate schedule spans."""
-    steps = trainer.estimated_stepping_batches
-    if not math.isfinite(steps):
-        raise ValueError("the run's length is unknown: set trainer.max_steps (the schedule decays over it)")
-    return int(steps)
 
 
 class MaskedPatchPretraining(pl.LightningModule):
@@ -68,21 +59,16 @@ class MaskedPatchPretraining(pl.LightningModule):
         pixel_std: Sequence[float] = (0.5,),
     ) -> None:
         super().__init__()
-        # Stored as plain dicts so that checkpoints load without unpickling project classes.
         self.encoder_config = as_config(encoder, ViTConfig)
         self.optimizer_config = as_config(optimizer, OptimizerConfig)
         self.corruption = as_config(corruption, CorruptionConfig)
         self.target = as_config(target, TargetConfig)
-        self.save_hyperparameters(
-            {
-                "encoder": asdict(self.encoder_config),
-                "optimizer": asdict(self.optimizer_config),
-                "corruption": asdict(self.corruption),
-                "target": asdict(self.target),
-                "pixel_mean": list(pixel_mean),
-                "pixel_std": list(pixel_std),
-            }
-        )
+        # Hyperparameters are stored as plain data so that checkpoints load without unpickling
+        # project classes (under the CLI, Lightning stores the parsed config instead).
+        encoder, optimizer = asdict(self.encoder_config), asdict(self.optimizer_config)
+        corruption, target = asdict(self.corruption), asdict(self.target)
+        pixel_mean, pixel_std = list(pixel_mean), list(pixel_std)
+        self.save_hyperparameters()
         self.encoder = ViT(self.encoder_config)
         self.normalise = Normalise(mean=pixel_mean, std=pixel_std)
         self.normalise.check_channels(self.encoder_config.channels)

@@ -128,7 +128,11 @@ def test_fit_checkpoints_resumes_and_logs_to_wandb(tmp_path):
     assert after["lr_schedulers"][0]["last_epoch"] == 6
     assert after["optimizer_states"][0]["state"][0]["step"].item() == 6
 
-    (first_run, _) = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    validated = mpp("validate", "--config", str(DEMO), *QUICK, "--ckpt_path", str(checkpoints / "last.ckpt"), run_dir=tmp_path)
+    assert validated.returncode == 0, validated.stderr[-3000:]
+    assert "val/mpp_accuracy" in validated.stdout and "val/majority_accuracy" in validated.stdout
+
+    (first_run, *_) = sorted((tmp_path / "wandb").glob("offline-run-*"))
     rows = history(first_run)
     logged = set().union(*rows)
     assert {"train/loss", "train/mpp_accuracy", "train/lr", "train/throughput", "data/skipped"} <= logged
