@@ -22,6 +22,7 @@ _PUBLIC = {
     "pixel_targets": "mpp.targets",
     "OptimizerConfig": "mpp.optim",
     "MaskedPatchPretraining": "mpp.pretrain",
+    "ImageClassifier": "mpp.classify",
     "ShardDataModule": "mpp.data",
 }
 

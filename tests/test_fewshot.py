@@ -1,0 +1,121 @@
+"""Few-shot linear evaluation: the closed-form regression separates what is separable and no more,
+averages over seeds, and runs as a callback in a real pretraining fit and as a tool."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from PIL import Image
+
+from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViTConfig
+from mpp.fewshot import FewShotEvaluation, fewshot_accuracy, fewshot_evaluation, pick_shots
+from shardkit import encode, write_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clusters(per_class: int, *, classes: int = 10, dim: int = 32, noise: float = 0.1, seed: int = 0):
+    """(N, dim) features around class means far apart, (N,) labels."""
+    generator = torch.Generator().manual_seed(seed)
+    means = 10 * torch.randn(classes, dim, generator=torch.Generator().manual_seed(123))
+    labels = torch.arange(classes).repeat_interleave(per_class)
+    return means[labels] + noise * torch.randn(len(labels), dim, generator=generator), labels
+
+
+def test_separable_classes_are_all_recognised_from_five_shots():
+    features, labels = clusters(5)
+    test_features, test_labels = clusters(20, seed=1)
+    assert fewshot_accuracy(features, labels, test_features, test_labels, num_classes=10) == 1.0
+
+
+def test_random_labels_stay_at_chance():
+    generator = torch.Generator().manual_seed(0)
+    features, test_features = torch.randn(250, 32, generator=generator), torch.randn(2000, 32, generator=generator)
+    labels, test_labels = torch.randint(0, 10, (250,), generator=generator), torch.randint(0, 10, (2000,), generator=generator)
+    assert fewshot_accuracy(features, labels, test_features, test_labels, num_classes=10) < 0.15
+
+
+def test_shots_are_drawn_per_class_and_differ_by_seed():
+    labels = torch.arange(5).repeat(20)  # 20 examples of each of 5 classes, interleaved
+    first, second = (pick_shots(labels, shots=3, num_classes=5, seed=s) for s in (0, 1))
+    assert torch.bincount(labels[first], minlength=5).tolist() == [3] * 5 and len(set(first.tolist())) == 15
+    assert set(first.tolist()) != set(second.tolist())
+    assert torch.equal(first, pick_shots(labels, shots=3, num_classes=5, seed=0))
+    with pytest.raises(ValueError, match="class 2 has 1 few-shot training examples, fewer than 2 shots"):
+        pick_shots(torch.tensor([0, 0, 1, 1, 2]), shots=2, num_classes=3, seed=0)
+
+
+def test_evaluation_averages_over_seeds_for_every_shot_count():
+    # Overlapping clusters, so accuracies vary from draw to draw.
+    features, labels = clusters(30, classes=4, dim=8, noise=12.0)
+    test_features, test_labels = clusters(30, classes=4, dim=8, noise=12.0, seed=1)
+    results = fewshot_evaluation(features, labels, test_features, test_labels, shots=(1, 2, 5), seeds=3, num_classes=4)
+    assert list(results) == [1, 2, 5]
+    for n, accuracy in results.items():
+        draws = [
+            fewshot_accuracy(features[chosen], labels[chosen], test_features, test_labels, num_classes=4)
+            for chosen in (pick_shots(labels, shots=n, num_classes=4, seed=seed) for seed in range(3))
+        ]
+        assert len(set(draws)) > 1 and accuracy == pytest.approx(sum(draws) / 3)
+
+
+def labelled_shards(folder: Path, prefix: str, count: int) -> str:
+    """One shard of `count` 16 px images in 3 classes (a colour each, varied in brightness)."""
+    folder.mkdir(exist_ok=True)
+    colours = [(200, 40, 40), (40, 200, 40), (40, 40, 200)]
+
+    def record(index: int) -> dict:
+        label, shade = index % 3, (index // 3) % 8 * 6
+        image = Image.new("RGB", (16, 16), tuple(c + shade for c in colours[label]))
+        return {"__key__": f"{prefix}{index:06d}", "png": encode(image), "cls": str(label).encode()}
+
+    return write_shard(folder / f"{prefix}-000000.tar", (record(i) for i in range(count)))
+
+
+def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_the_checkpoint(tmp_path):
+    pl.seed_everything(0)
+    train = labelled_shards(tmp_path / "shards", "train", 48)
+    test = labelled_shards(tmp_path / "shards", "test", 30)
+    encoder = ViTConfig(image_size=16, patch_size=4, dim=32, depth=1, heads=2, mlp_dim=64)
+    model = MaskedPatchPretraining(encoder=encoder, optimizer=OptimizerConfig(name="adamw", lr=1e-3))
+    callback = FewShotEvaluation(train=train, test=test, num_classes=3, image_size=16, shots=(1, 2), seeds=2,
+                                 every_n_steps=2, max_train=30, max_test=30, batch_size=16)
+    data = ShardDataModule(train=train, batch_size=8, num_workers=0, image_size=16, channels=3, shuffle_buffer=0)
+    trainer = pl.Trainer(max_steps=5, accelerator="cpu", logger=pl.loggers.CSVLogger(tmp_path), callbacks=[callback],
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, data)
+    # At the start, every 2 steps and at the end (step 5).
+    assert sorted(callback.history) == [0, 2, 4, 5]
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("fewshot/1shot")]
+    assert [int(row["step"]) for row in rows] == [0, 2, 4, 5]
+    for row in rows:
+        # Flat colours, one per class: the frozen features separate them from one example each.
+        assert float(row["fewshot/1shot"]) == pytest.approx(callback.history[int(row["step"])][1])
+        assert float(row["fewshot/2shot"]) == 1.0
+    assert model.encoder.training  # the evaluation handed the encoder back in training mode
+
+    trainer.save_checkpoint(tmp_path / "mpp.ckpt")
+    spec = importlib.util.spec_from_file_location("fewshot_tool", ROOT / "tools" / "fewshot.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = tool.main([str(tmp_path / "mpp.ckpt"), "--train", train, "--test", test, "--shots", "1", "2",
+                          "--seeds", "2", "--max-train", "30", "--max-test", "30", "--num-workers", "0"])
+    assert code == 0
+    table = out.getvalue()
+    assert "| shots | accuracy |" in table and "| 2 | 100.0% |" in table
+    assert f"| 1 | {100 * callback.history[5][1]:.1f}% |" in table
+
+
+def test_callback_refuses_a_train_set_too_small_for_its_shots():
+    with pytest.raises(ValueError, match="max_train=20"):
+        FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, image_size=16, shots=(1, 5), max_train=20)

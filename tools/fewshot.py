@@ -1,0 +1,88 @@
+"""Few-shot linear accuracy (section 4.1) of any mpp checkpoint's frozen encoder, as a markdown table.
+
+Examples:
+    python tools/fewshot.py runs/demo/checkpoints/last.ckpt \\
+        --train 'shards/fashion-mnist/train-{000000..000009}.tar' --test shards/fashion-mnist/test-000000.tar
+    python tools/fewshot.py runs/demo-finetune/checkpoints/last.ckpt --train ... --test ... --shots 1 5 --seeds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mpp.classify import load_encoder
+from mpp.data import ShardDataModule
+from mpp.fewshot import extract_features, fewshot_evaluation, limited
+from mpp.images import Normalise
+from mpp.vit import pair
+
+
+def normalisation(path: str) -> Normalise:
+    """The input normalisation the checkpoint's module was trained with."""
+    hyper = torch.load(path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+    if "pixel_mean" not in hyper or "pixel_std" not in hyper:
+        raise ValueError(f"checkpoint {path} records no pixel_mean / pixel_std hyperparameters")
+    return Normalise(mean=hyper["pixel_mean"], std=hyper["pixel_std"])
+
+
+def render(path: str, results: dict[int, float], *, seeds: int, train: int, test: int) -> str:
+    """The markdown table: one row per n."""
+    lines = [f"Few-shot linear accuracy of {path} ({train} train / {test} test images, mean of {seeds} seeds)", "",
+             "| shots | accuracy |", "|---:|---:|"]
+    lines += [f"| {n} | {100 * accuracy:.1f}% |" for n, accuracy in results.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a .ckpt written by MaskedPatchPretraining or ImageClassifier")
+    parser.add_argument("--train", required=True, help="labelled shards the n-shot examples are drawn from")
+    parser.add_argument("--test", required=True, help="labelled shards the accuracy is measured on")
+    parser.add_argument("--shots", type=int, nargs="+", default=[1, 5, 10, 25])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--num-classes", type=int, help="K (default: the largest label seen + 1)")
+    parser.add_argument("--max-train", type=int, default=10000, help="training samples read, in shard order")
+    parser.add_argument("--max-test", type=int, default=10000, help="test samples read, in shard order")
+    parser.add_argument("--image-size", type=int, nargs="+", help="H [W] (default: the encoder's)")
+    parser.add_argument("--l2", type=float, default=1024.0, help="ridge regulariser")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--eval-crop-fraction", type=float, default=1.0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+
+    encoder = load_encoder(args.checkpoint)
+    if args.image_size:
+        encoder.resize_positions(pair(args.image_size[0] if len(args.image_size) == 1 else args.image_size))
+    encoder.to(args.device)
+    normalise = normalisation(args.checkpoint).to(args.device)
+    normalise.check_channels(encoder.config.channels)
+    data = ShardDataModule(
+        val=args.train, test=args.test, batch_size=args.batch_size, num_workers=args.num_workers,
+        image_size=encoder.config.image_size, channels=encoder.config.channels,
+        eval_crop_fraction=args.eval_crop_fraction, shard_shuffle=False, shuffle_buffer=0,
+    )
+    data.setup(rank=0, world_size=1)
+    features, labels = extract_features(encoder, limited(data.val_dataloader(), args.max_train),
+                                        normalise=normalise, device=args.device)
+    test_features, test_labels = extract_features(encoder, limited(data.test_dataloader(), args.max_test),
+                                                  normalise=normalise, device=args.device)
+    if labels.min() < 0 or test_labels.min() < 0:
+        print("error: the shards hold unlabelled samples; few-shot evaluation needs `.cls` labels", file=sys.stderr)
+        return 2
+    num_classes = args.num_classes or int(max(labels.max(), test_labels.max())) + 1
+    try:
+        results = fewshot_evaluation(features, labels, test_features, test_labels, shots=args.shots,
+                                     seeds=args.seeds, num_classes=num_classes, l2=args.l2)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(render(args.checkpoint, results, seeds=args.seeds, train=len(labels), test=len(test_labels)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
