@@ -13,7 +13,7 @@ from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
 from mpp.data import ShardDataModule, ShardSpec
-from mpp.images import to_unit_range
+from mpp.images import Normalise, to_unit_range
 from mpp.vit import ViT
 
 BIAS_FEATURE = 100.0
@@ -219,3 +219,59 @@ class FewShotEvaluation(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and self.last_step != trainer.global_step:
             self.evaluate(trainer, pl_module)
+
+
+def checkpoint_normalisation(path: str) -> Normalise:
+    """The input normalisation the checkpoint's module was trained with."""
+    hyper = torch.load(path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+    if "pixel_mean" not in hyper or "pixel_std" not in hyper:
+        raise ValueError(f"checkpoint {path} records no pixel_mean / pixel_std hyperparameters")
+    return Normalise(mean=hyper["pixel_mean"], std=hyper["pixel_std"])
+
+
+def evaluate_checkpoint(
+    path: str,
+    *,
+    train: ShardSpec,
+    test: ShardSpec,
+    shots: Sequence[int] = (1, 5, 10, 25),
+    seeds: int = 3,
+    num_classes: int | None = None,
+    max_train: int = 10000,
+    max_test: int = 10000,
+    image_size: int | tuple[int, int] | None = None,
+    l2: float = 1024.0,
+    batch_size: int = 256,
+    num_workers: int = 2,
+    eval_crop_fraction: float = 1.0,
+    device: torch.device | str = "cpu",
+) -> tuple[dict[int, float], int, int]:
+    """Few-shot accuracy of any mpp checkpoint's frozen encoder -> ({n: accuracy}, train count, test count).
+
+    The n-shot examples come from the first `max_train` samples of `train`, in shard order.
+    """
+    from mpp.classify import load_encoder  # the classifier module imports this one
+
+    encoder = load_encoder(path)
+    if image_size is not None:
+        encoder.resize_positions(image_size)
+    encoder.to(device)
+    normalise = checkpoint_normalisation(path).to(device)
+    normalise.check_channels(encoder.config.channels)
+    data = ShardDataModule(
+        val=train, test=test, batch_size=batch_size, num_workers=num_workers,
+        image_size=encoder.config.image_size, channels=encoder.config.channels,
+        eval_crop_fraction=eval_crop_fraction, shard_shuffle=False, shuffle_buffer=0,
+    )
+    data.setup(rank=0, world_size=1)
+    features, labels = extract_features(encoder, limited(data.val_dataloader(), max_train), normalise=normalise, device=device)
+    test_features, test_labels = extract_features(
+        encoder, limited(data.test_dataloader(), max_test), normalise=normalise, device=device
+    )
+    if labels.min() < 0 or test_labels.min() < 0:
+        raise ValueError("the shards hold unlabelled samples; few-shot evaluation needs `.cls` labels")
+    num_classes = num_classes or int(max(labels.max(), test_labels.max())) + 1
+    results = fewshot_evaluation(
+        features, labels, test_features, test_labels, shots=shots, seeds=seeds, num_classes=num_classes, l2=l2
+    )
+    return results, len(labels), len(test_labels)

@@ -15,8 +15,8 @@ import torch
 import yaml
 
 from mpp.cli import main
-from wandb_records import config as wandb_config
-from wandb_records import history
+from mpp.wandb_records import config as wandb_config
+from mpp.wandb_records import history
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "pretrain" / "demo.yaml"

@@ -13,19 +13,8 @@ import sys
 
 import torch
 
-from mpp.classify import load_encoder
-from mpp.data import ShardDataModule
-from mpp.fewshot import extract_features, fewshot_evaluation, limited
-from mpp.images import Normalise
+from mpp.fewshot import evaluate_checkpoint
 from mpp.vit import pair
-
-
-def normalisation(path: str) -> Normalise:
-    """The input normalisation the checkpoint's module was trained with."""
-    hyper = torch.load(path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
-    if "pixel_mean" not in hyper or "pixel_std" not in hyper:
-        raise ValueError(f"checkpoint {path} records no pixel_mean / pixel_std hyperparameters")
-    return Normalise(mean=hyper["pixel_mean"], std=hyper["pixel_std"])
 
 
 def render(path: str, results: dict[int, float], *, seeds: int, train: int, test: int) -> str:
@@ -54,33 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
 
-    encoder = load_encoder(args.checkpoint)
+    image_size = None
     if args.image_size:
-        encoder.resize_positions(pair(args.image_size[0] if len(args.image_size) == 1 else args.image_size))
-    encoder.to(args.device)
-    normalise = normalisation(args.checkpoint).to(args.device)
-    normalise.check_channels(encoder.config.channels)
-    data = ShardDataModule(
-        val=args.train, test=args.test, batch_size=args.batch_size, num_workers=args.num_workers,
-        image_size=encoder.config.image_size, channels=encoder.config.channels,
-        eval_crop_fraction=args.eval_crop_fraction, shard_shuffle=False, shuffle_buffer=0,
-    )
-    data.setup(rank=0, world_size=1)
-    features, labels = extract_features(encoder, limited(data.val_dataloader(), args.max_train),
-                                        normalise=normalise, device=args.device)
-    test_features, test_labels = extract_features(encoder, limited(data.test_dataloader(), args.max_test),
-                                                  normalise=normalise, device=args.device)
-    if labels.min() < 0 or test_labels.min() < 0:
-        print("error: the shards hold unlabelled samples; few-shot evaluation needs `.cls` labels", file=sys.stderr)
-        return 2
-    num_classes = args.num_classes or int(max(labels.max(), test_labels.max())) + 1
+        image_size = pair(args.image_size[0] if len(args.image_size) == 1 else args.image_size)
     try:
-        results = fewshot_evaluation(features, labels, test_features, test_labels, shots=args.shots,
-                                     seeds=args.seeds, num_classes=num_classes, l2=args.l2)
+        results, train, test = evaluate_checkpoint(
+            args.checkpoint, train=args.train, test=args.test, shots=args.shots, seeds=args.seeds,
+            num_classes=args.num_classes, max_train=args.max_train, max_test=args.max_test, image_size=image_size,
+            l2=args.l2, batch_size=args.batch_size, num_workers=args.num_workers,
+            eval_crop_fraction=args.eval_crop_fraction, device=args.device,
+        )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(render(args.checkpoint, results, seeds=args.seeds, train=len(labels), test=len(test_labels)))
+    print(render(args.checkpoint, results, seeds=args.seeds, train=train, test=test))
     return 0
 
 

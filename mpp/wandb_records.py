@@ -1,4 +1,5 @@
-"""Read an offline W&B run's records back (offline runs write no summary file).
+"""Read a W&B run's local records back: offline runs write no summary file and cannot be
+queried through the W&B API until synced, but every run keeps its records in `run-*.wandb`.
 
 A `run-*.wandb` file is a 7-byte header, then 32 KiB blocks of records, each with a
 7-byte header (CRC32 4, length 2, type 1) whose type says whether the record is whole

@@ -1,0 +1,169 @@
+"""Does masked patch prediction help? Pretrain, then fine-tune the pretrained encoder next to
+the same classifier trained from scratch — same labels, augmentation, steps and evaluation —
+and write a markdown table and a plot of validation accuracy against step.
+
+    python tools/compare.py                                   # the demo configs, embedded sample
+    python tools/compare.py --pretrained runs/demo/checkpoints/last.ckpt \\
+        --train shards/fashion-mnist/train-000000.tar --out runs/compare-1k   # 1,000 labels
+    python tools/compare.py --test shards/fashion-mnist/test-000000.tar 'full=shards/fmnist-full/test-000000.tar'
+
+Each run is an `mpp fit` / `mpp test` subprocess with its own folder under --out; results are
+read back from the runs' W&B records, so finished runs can be inspected or synced later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from mpp.fewshot import evaluate_checkpoint  # noqa: E402
+from mpp.wandb_records import history  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {"finetune": "MPP pretrained, fine-tuned", "scratch": "from scratch"}
+
+
+def mpp(*args: str) -> float:
+    """Run the `mpp` command in a subprocess, stream its output, return its wall time in seconds."""
+    command = [sys.executable, "-m", "mpp.cli", *args]
+    print("+ mpp " + " ".join(args[:3]) + " ...", flush=True)
+    start = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True)
+    return time.perf_counter() - start
+
+
+def last_run(folder: Path) -> Path:
+    """The newest W&B run folder under a run's root."""
+    runs = sorted((folder / "wandb").glob("*-run-*"))
+    if not runs:
+        raise FileNotFoundError(f"no W&B run under {folder}/wandb")
+    return runs[-1]
+
+
+def curve(folder: Path, metric: str) -> list[tuple[int, float]]:
+    """(step, value) of a metric over a fit."""
+    return [(int(r["trainer/global_step"]) + 1, r[metric]) for r in history(last_run(folder)) if metric in r]
+
+
+def logged(folder: Path, metric: str) -> float:
+    """The last value of a metric in a run."""
+    values = [row[metric] for row in history(last_run(folder)) if metric in row]
+    if not values:
+        raise KeyError(f"{metric} was not logged in {last_run(folder)}")
+    return values[-1]
+
+
+def parse_tests(specs: list[str]) -> dict[str, str]:
+    """["name=spec" or "spec", ...] -> {name: shard spec}."""
+    tests = {}
+    for index, spec in enumerate(specs):
+        name, sep, shards = spec.partition("=")
+        named = sep and not any(c in name for c in "/:{")
+        tests[name if named else f"test{index}"] = shards if named else spec
+    return tests
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pretrain", default="configs/pretrain/demo.yaml", help="pretraining run config")
+    parser.add_argument("--finetune", default="configs/finetune/demo.yaml", help="fine-tuning run config")
+    parser.add_argument("--scratch", default="configs/scratch/demo.yaml", help="from-scratch run config")
+    parser.add_argument("--pretrained", help="an existing pretraining checkpoint (skips pretraining)")
+    parser.add_argument("--train", help="labelled training shards for both arms (default: the configs')")
+    parser.add_argument("--test", nargs="+", default=["sample=shards/fashion-mnist/test-000000.tar"],
+                        help="test shard specs, optionally named as name=spec")
+    parser.add_argument("--steps", type=int, help="training steps of both arms (default: the configs')")
+    parser.add_argument("--pretrain-steps", type=int, help="pretraining steps (default: the config's)")
+    parser.add_argument("--shots", type=int, nargs="+", default=[10, 25], help="few-shot columns")
+    parser.add_argument("--out", default="runs/compare", help="folder for every run, the table and the plot")
+    args = parser.parse_args(argv)
+    out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tests = parse_tests(args.test)
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+    wall: dict[str, float] = {}
+    pretrained = args.pretrained
+    if pretrained is None:
+        steps = ["--trainer.max_steps", str(args.pretrain_steps)] if args.pretrain_steps else []
+        wall["pretrain"] = mpp("fit", "--config", args.pretrain, "--trainer.default_root_dir", str(out / "pretrain"), *steps)
+        pretrained = str(out / "pretrain" / "checkpoints" / "last.ckpt")
+
+    for arm in ARMS:
+        config = getattr(args, arm)
+        overrides = ["--trainer.default_root_dir", str(out / arm)]
+        overrides += ["--data.train", args.train] if args.train else []
+        overrides += ["--trainer.max_steps", str(args.steps)] if args.steps else []
+        overrides += ["--model.init_args.pretrained", pretrained] if arm == "finetune" else []
+        wall[arm] = mpp("fit", "--config", config, *overrides)
+        checkpoint = str(out / arm / "checkpoints" / "last.ckpt")
+        for name, spec in tests.items():  # later options win: each test run gets its own folder
+            mpp("test", "--config", config, *overrides, "--ckpt_path", checkpoint, "--data.test", spec,
+                "--trainer.default_root_dir", str(out / arm / f"test-{name}"))
+
+    fewshot_train = args.train or "shards/fashion-mnist/train-{000000..000009}.tar"
+    first_test = next(iter(tests.values()))
+    fewshot = {
+        key: evaluate_checkpoint(path, train=fewshot_train, test=first_test, shots=args.shots)[0]
+        for key, path in {
+            "pretrained": pretrained,
+            **{arm: str(out / arm / "checkpoints" / "last.ckpt") for arm in ARMS},
+        }.items()
+    }
+
+    results = {arm: {name: logged(out / arm / f"test-{name}", "test/accuracy") for name in tests} for arm in ARMS}
+    steps = {arm: torch.load(out / arm / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] for arm in ARMS}
+    table = render(results, fewshot, steps, wall, tests, args)
+    (out / "comparison.md").write_text(table + "\n")
+    (out / "comparison.json").write_text(json.dumps({"test_accuracy": results, "fewshot": fewshot, "steps": steps,
+                                                     "wall_seconds": wall}, indent=2))
+    plot({ARMS[arm]: curve(out / arm, "val/accuracy") for arm in ARMS}, out / "comparison.png")
+    print(table)
+    print(f"\ntable: {out / 'comparison.md'}\nplot: {out / 'comparison.png'}\nruns: {out}")
+    return 0
+
+
+def render(results: dict, fewshot: dict, steps: dict, wall: dict, tests: dict, args: argparse.Namespace) -> str:
+    """The comparison as a markdown table."""
+    shots = " | ".join(f"{n}-shot" for n in args.shots)
+    header = "| arm | " + " | ".join(f"top-1 ({name})" for name in tests) + f" | {shots} | steps | wall time |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for arm, label in ARMS.items():
+        top1 = " | ".join(f"{100 * results[arm][name]:.1f}%" for name in tests)
+        few = " | ".join(f"{100 * fewshot[arm][n]:.1f}%" for n in args.shots)
+        lines.append(f"| {label} | {top1} | {few} | {steps[arm]} | {wall[arm] / 60:.1f} min |")
+    deltas = " | ".join(f"{100 * (results['finetune'][n] - results['scratch'][n]):+.1f} pts" for n in tests)
+    lines.append(f"| difference | {deltas} | " + " | ".join("" for _ in args.shots) + " | | |")
+    few = ", ".join(f"{n}-shot {100 * fewshot['pretrained'][n]:.1f}%" for n in args.shots)
+    pretraining = f"pretraining {wall['pretrain'] / 60:.1f} min" if "pretrain" in wall else f"pretrained: {args.pretrained}"
+    lines += ["", f"Frozen pretrained encoder before fine-tuning: {few} ({pretraining})."]
+    return "\n".join(lines)
+
+
+def plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
+    """Validation accuracy against step, one line per arm."""
+    figure, axes = plt.subplots(figsize=(6, 4), dpi=120)
+    for label, points in curves.items():
+        axes.plot([s for s, _ in points], [100 * v for _, v in points], marker="o", label=label)
+    axes.set_xlabel("training step")
+    axes.set_ylabel("validation top-1 (%)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
