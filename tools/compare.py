@@ -3,7 +3,7 @@ the same classifier trained from scratch — same labels, augmentation, steps an
 and write a markdown table and a plot of validation accuracy against step.
 
     python tools/compare.py                                   # the demo configs, embedded sample
-    python tools/compare.py --pretrained runs/demo/checkpoints/last.ckpt \\
+    python tools/compare.py --pretrained runs/demo/pretrain/checkpoints/last.ckpt \\
         --train shards/fashion-mnist/train-000000.tar --out runs/compare-1k   # 1,000 labels
     python tools/compare.py --test shards/fashion-mnist/test-000000.tar 'full=shards/fmnist-full/test-000000.tar'
 

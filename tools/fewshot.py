@@ -1,9 +1,9 @@
 """Few-shot linear accuracy (section 4.1) of any mpp checkpoint's frozen encoder, as a markdown table.
 
 Examples:
-    python tools/fewshot.py runs/demo/checkpoints/last.ckpt \\
+    python tools/fewshot.py runs/demo/pretrain/checkpoints/last.ckpt \\
         --train 'shards/fashion-mnist/train-{000000..000009}.tar' --test shards/fashion-mnist/test-000000.tar
-    python tools/fewshot.py runs/demo-finetune/checkpoints/last.ckpt --train ... --test ... --shots 1 5 --seeds 5
+    python tools/fewshot.py runs/demo/finetune/checkpoints/last.ckpt --train ... --test ... --shots 1 5 --seeds 5
 """
 
 from __future__ import annotations
