@@ -136,6 +136,7 @@ def test_fit_checkpoints_resumes_and_logs_to_wandb(tmp_path):
     rows = history(first_run)
     logged = set().union(*rows)
     assert {"train/loss", "train/mpp_accuracy", "train/lr", "train/throughput", "data/skipped"} <= logged
+    assert {"fewshot/1shot", "fewshot/25shot"} <= logged
     losses = [row["train/loss"] for row in rows if "train/loss" in row]
     assert all(0 < loss < 10 for loss in losses)
     pictures = [row["pictures/predictions"] for row in rows if "pictures/predictions" in row]

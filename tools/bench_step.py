@@ -89,9 +89,12 @@ def main() -> None:
         for _ in range(args.warmup):
             step()
     seconds: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.repeats):
-        for name, step in steps.items():  # alternate so that machine noise hits both alike
-            seconds[name].append(timed(step, device))
+    order = list(steps)
+    for repeat in range(args.repeats):
+        # Alternate, and swap who goes first every repeat (ABBA), so that machine noise and
+        # whatever one step leaves behind for the next hit both alike.
+        for name in order if repeat % 2 == 0 else reversed(order):
+            seconds[name].append(timed(steps[name], device))
 
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     print(f"batch {args.batch}, {args.image_size} px, {args.repeats} alternating repeats, median step time\n")
