@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from mpp.vit import pick
+
 MASKED, REPLACED, KEPT = 0, 1, 2
 
 
@@ -113,9 +115,3 @@ def corrupt_patches(
     tokens = patches.scatter(1, positions.unsqueeze(-1).expand(-1, -1, dim), replacement)
     sources = torch.where(kinds == REPLACED, others, positions)
     return CorruptedPatches(tokens=tokens, positions=positions, kinds=kinds, sources=sources)
-
-
-def pick(values: Tensor, positions: Tensor) -> Tensor:
-    """(B, N, ...) values, (B, M) positions -> (B, M, ...) the values at those positions."""
-    index = positions.view(*positions.shape, *([1] * (values.dim() - 2)))
-    return values.gather(1, index.expand(-1, -1, *values.shape[2:]))

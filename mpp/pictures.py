@@ -14,9 +14,9 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from mpp.corruption import MASKED, REPLACED, CorruptedPatches, pick
+from mpp.corruption import MASKED, REPLACED, CorruptedPatches
 from mpp.targets import TargetConfig
-from mpp.vit import pair, patchify
+from mpp.vit import pair, patchify, pick
 
 
 def class_colours(classes: Tensor, *, bits: int, channels: int) -> Tensor:

@@ -14,11 +14,11 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
-from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches, pick
+from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
 from mpp.images import Normalise, to_unit_range
 from mpp.optim import OptimizerConfig, configure_optimizer, total_steps
 from mpp.targets import TargetConfig, prediction_accuracy, prediction_loss
-from mpp.vit import ViT, ViTConfig
+from mpp.vit import ViT, ViTConfig, pick
 
 
 class MPPOutput(NamedTuple):
@@ -99,8 +99,9 @@ class MaskedPatchPretraining(pl.LightningModule):
         targets = self.targets(images)
         patches = self.encoder.embed_patches(self.normalise(images))
         corrupted = corrupt_patches(patches, mask_token=self.mask_token, config=self.corruption)
-        _, representations = self.encoder.encode(self.encoder.add_positions(corrupted.tokens))
-        predictions = self.predict(pick(representations, corrupted.positions))
+        tokens = self.encoder.add_positions(corrupted.tokens)
+        _, representations = self.encoder.encode(tokens, keep=corrupted.positions)  # (B, M, D)
+        predictions = self.predict(representations)
         return MPPOutput(predictions, pick(targets, corrupted.positions), corrupted)
 
     def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor:

@@ -79,6 +79,12 @@ class ViTConfig:
         return grid_h * grid_w
 
 
+def pick(values: Tensor, positions: Tensor) -> Tensor:
+    """(B, N, ...) values, (B, M) positions -> (B, M, ...) the values at those positions."""
+    index = positions.view(*positions.shape, *([1] * (values.dim() - 2)))
+    return values.gather(1, index.expand(-1, -1, *values.shape[2:]))
+
+
 def patchify(images: Tensor, patch_size: int | tuple[int, int]) -> Tensor:
     """(B, C, H, W) -> (B, N, P_h·P_w·C), patches in row-major order, pixels (p_h, p_w, c)."""
     patch_h, patch_w = pair(patch_size)
@@ -101,9 +107,12 @@ class Attention(nn.Module):
         qkv = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.heads)
         return qkv[0], qkv[1], qkv[2]
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, T, D) -> (B, T, D)."""
+    def forward(self, x: Tensor, queries: Tensor | None = None) -> Tensor:
+        """(B, T, D) -> (B, T, D); with `queries` (B, Q) token indices, (B, Q, D) for those tokens,
+        which still attend to all T."""
         q, k, v = self.split_heads(x)
+        if queries is not None:
+            q = q.gather(2, queries[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         return self.proj_drop(self.proj(rearrange(out, "b h t d -> b t (h d)")))
 
@@ -133,9 +142,10 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = MLP(dim=dim, hidden=mlp_dim, dropout=dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, T, D) -> (B, T, D)."""
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: Tensor, queries: Tensor | None = None) -> Tensor:
+        """(B, T, D) -> (B, T, D); with `queries` (B, Q) token indices, only those outputs (B, Q, D)."""
+        shortcut = x if queries is None else pick(x, queries)
+        x = shortcut + self.attn(self.norm1(x), queries)
         return x + self.mlp(self.norm2(x))
 
 
@@ -192,16 +202,26 @@ class ViT(nn.Module):
         cls = self.cls_token.expand(patches.shape[0], -1, -1)
         return self.pos_drop(torch.cat([cls, patches], dim=1) + self.pos_embed)
 
-    def encode(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """(B, 1 + N, D) -> class-token representation (B, D), patch representations (B, N, D)."""
-        for block in self.blocks:
-            tokens = block(tokens)
+    def encode(self, tokens: Tensor, *, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(B, 1 + N, D) -> class-token representation (B, D), patch representations (B, N, D).
+
+        With `keep`, (B, M) patch indices, only those patches' representations (B, M, D) are
+        returned, and the last block computes no others: their outputs feed nothing.
+        """
+        queries = None
+        if keep is not None:
+            cls = keep.new_zeros(keep.shape[0], 1)
+            queries = torch.cat([cls, keep + 1], dim=1)  # token 0 is the class token
+        for index, block in enumerate(self.blocks):
+            tokens = block(tokens, queries if index == len(self.blocks) - 1 else None)
         tokens = self.norm(tokens)
         return tokens[:, 0], tokens[:, 1:]
 
     def forward(self, images: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, D), the image representation y = LN(z_L^0)."""
-        representation, _ = self.encode(self.add_positions(self.embed_patches(images)))
+        tokens = self.add_positions(self.embed_patches(images))
+        no_patches = torch.empty(tokens.shape[0], 0, dtype=torch.long, device=tokens.device)
+        representation, _ = self.encode(tokens, keep=no_patches)
         return representation
 
     @torch.no_grad()

@@ -135,3 +135,34 @@ def test_wrong_image_size_fails_clearly():
     model = ViT(ViTConfig(image_size=28, patch_size=4, dim=16, depth=1, heads=2, mlp_dim=32))
     with pytest.raises(ValueError, match="do not fit"):
         model(torch.randn(1, 3, 32, 32))
+
+
+def test_encoding_only_the_kept_patches_gives_the_same_representations():
+    model = ViT(ViTConfig(image_size=(8, 12), patch_size=4, dim=16, depth=3, heads=2, mlp_dim=32)).eval()
+    tokens = model.add_positions(model.embed_patches(torch.randn(3, 3, 8, 12)))
+    cls, patches = model.encode(tokens)
+    keep = torch.tensor([[5, 0, 2], [1, 1, 4], [3, 2, 0]])
+    cls_kept, kept = model.encode(tokens, keep=keep)
+    torch.testing.assert_close(cls_kept, cls, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept, patches.gather(1, keep.unsqueeze(-1).expand(-1, -1, 16)), rtol=1e-5, atol=1e-5)
+    nothing = model.encode(tokens, keep=torch.empty(3, 0, dtype=torch.long))
+    assert nothing[1].shape == (3, 0, 16)
+    torch.testing.assert_close(nothing[0], cls, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_through_kept_patches_match_the_full_encoding():
+    model = ViT(ViTConfig(image_size=8, patch_size=4, dim=16, depth=2, heads=2, mlp_dim=32))
+    images = torch.randn(2, 3, 8, 8)
+    keep = torch.tensor([[3, 1], [0, 2]])
+
+    def gradients(**kwargs) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        _, patches = model.encode(model.add_positions(model.embed_patches(images)), **kwargs)
+        if not kwargs:
+            patches = patches.gather(1, keep.unsqueeze(-1).expand(-1, -1, 16))
+        patches.square().sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    full, kept = gradients(), gradients(keep=keep)
+    for name in full:
+        torch.testing.assert_close(kept[name], full[name], rtol=1e-4, atol=1e-5, msg=name)
