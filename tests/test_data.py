@@ -269,3 +269,31 @@ def test_reduced_jpeg_decoding_keeps_the_crop_in_place() -> None:
         transform = ImageTransform(size=(8, 12), channels=3, train=train, scale=(0.5, 1.0))
         drafted, full = transform(jpeg, random.Random(3)), transform(lossless, random.Random(3))
         assert np.abs(drafted.astype(int) - full.astype(int)).mean() < 6
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_folder_written_by_the_shard_writer_reads_back_exactly_once(tmp_path: Path, num_workers: int) -> None:
+    from mpp.shards import WriteOptions, write_shards
+    from mpp.sources import image_folder
+
+    # 3 classes x 7 images; each image one flat grey level that identifies it.
+    root = tmp_path / "images"
+    expected = []
+    for label, name in enumerate(("cat", "dog", "owl")):
+        (root / name).mkdir(parents=True)
+        for index in range(7):
+            level = 10 * (7 * label + index) + 5
+            Image.new("L", (12, 10), level).save(root / name / f"{index}.png")
+            expected.append((level, label))
+    sidecar, _ = write_shards(image_folder(root), tmp_path / "shards", "train",
+                              WriteOptions(shard_samples=4, progress=False, seed=3))
+    assert len(sidecar["shards"]) == 6 and sidecar["classes"] == ["cat", "dog", "owl"]
+
+    dm = make(str(tmp_path / "shards" / "train-{000000..000005}.tar"), num_workers=num_workers, channels=1)
+    dm.setup("fit")
+    seen = []
+    for batch in dm.train_dataloader():
+        for image, label in zip(batch["image"], batch["label"].tolist()):
+            assert (image == image.flatten()[0]).all()  # a flat image stays flat through crop and flip
+            seen.append((int(image.flatten()[0]), label))
+    assert sorted(seen) == sorted(expected)
