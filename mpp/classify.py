@@ -145,9 +145,13 @@ class ImageClassifier(pl.LightningModule):
         if labels.numel() and labels.max() >= self.num_classes:
             raise ValueError(f"a batch holds label {int(labels.max())}, outside num_classes={self.num_classes}")
 
+    def on_before_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> dict[str, Tensor]:
+        # Checked while the labels are still on the host: on the device it would sync every step.
+        self.check_labels(batch["label"])
+        return batch
+
     def _step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
         labels = batch["label"]
-        self.check_labels(labels)
         logits = self(to_unit_range(batch["image"]))
         loss = F.cross_entropy(logits, labels)
         correct = logits.argmax(dim=-1) == labels

@@ -175,6 +175,15 @@ def test_unlabelled_batches_fail_asking_for_labels():
         model.check_labels(torch.tensor([0, 4]))
 
 
+def test_a_fit_on_unlabelled_batches_stops_before_the_first_step(tmp_path):
+    data = Quadrants(8, seed=0)
+    data.labels[3] = -1  # a sample whose shard had no `.cls`
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"\.cls"):
+        trainer.fit(classifier(), DataLoader(data, batch_size=4))
+    assert trainer.global_step == 0
+
+
 @pytest.mark.parametrize("arm", ["finetune", "scratch"])
 def test_demo_configs_fit_from_the_command_line(tmp_path, arm):
     overrides = []
