@@ -1,5 +1,6 @@
-"""Lightning callbacks that watch a run: throughput and skipped samples, and pictures of
-the pretraining predictions. Each reads the batch and the module's public outputs only."""
+"""Lightning callbacks that watch a run: throughput and skipped samples, a progress bar that
+costs no sync, and pictures of the pretraining predictions. Each reads the batch and the
+module's public outputs only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from PIL import Image
+from pytorch_lightning.callbacks import TQDMProgressBar
 from pytorch_lightning.loggers import WandbLogger
 
 from mpp.images import to_unit_range
@@ -45,11 +47,37 @@ class ThroughputMonitor(pl.Callback):
         elapsed = time.perf_counter() - self.started
         if self.images and elapsed > 0:
             rate = self.images * trainer.world_size / elapsed
-            pl_module.log("train/throughput", rate, prog_bar=True, on_step=True, on_epoch=False)
+            pl_module.log("train/throughput", rate, on_step=True, on_epoch=False)
         if self.skipped is not None:
             # The running total of this rank, summed over ranks.
             pl_module.log("data/skipped", self.skipped.float(), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True)
         self.images, self.started = 0, time.perf_counter()
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's progress bar, showing the `train/...` metrics as of the last logging step.
+
+    Lightning turns progress-bar metrics into Python numbers after every step, a host-device
+    sync each time; mpp's modules log training metrics without `prog_bar` and this bar reads
+    them only when they are logged anyway.
+    """
+
+    def __init__(self, refresh_rate: int = 1) -> None:
+        super().__init__(refresh_rate=refresh_rate)
+        self.shown: dict[str, str] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step % trainer.log_every_n_steps == 0:
+            self.shown = {
+                name.removeprefix("train/"): f"{float(value):.4g}"
+                for name, value in trainer.callback_metrics.items()
+                if name.startswith("train/") and name != "train/lr"
+            }
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+        return {**super().get_metrics(trainer, pl_module), **self.shown}
 
 
 class PredictionPictures(pl.Callback):

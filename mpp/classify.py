@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mpp.guards import LossGuard, LossGuardCheck, Policy
 from mpp.images import Normalise, to_unit_range
-from mpp.optim import OptimizerConfig, configure_optimizer, total_steps
+from mpp.optim import OptimizerConfig, configure_optimizer, global_batch_size, logging_step, total_steps
 from mpp.pretrain import as_config
 from mpp.vit import ViT, ViTConfig, pair
 
@@ -92,6 +93,8 @@ class ImageClassifier(pl.LightningModule):
         pixel_mean: normalisation of the encoder's input, one value or one per channel.
         pixel_std: likewise.
         class_names: names of the K classes for the per-class test accuracies (default: indices).
+        compile: compile `forward` (normalise, encoder, head) with torch.compile.
+        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.guards).
     """
 
     def __init__(
@@ -104,10 +107,13 @@ class ImageClassifier(pl.LightningModule):
         pixel_mean: Sequence[float] = (0.5,),
         pixel_std: Sequence[float] = (0.5,),
         class_names: list[str] | None = None,
+        compile: bool = False,
+        nonfinite_loss: Policy = "stop",
     ) -> None:
         super().__init__()
         self.encoder_config = as_config(encoder, ViTConfig)
         self.optimizer_config = as_config(optimizer, OptimizerConfig)
+        self.loss_guard = LossGuard(nonfinite_loss)
         if num_classes < 2:
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")
         if class_names is not None and len(class_names) != num_classes:
@@ -133,6 +139,8 @@ class ImageClassifier(pl.LightningModule):
         # Per-class tallies over a test epoch.
         self.register_buffer("class_correct", torch.zeros(num_classes, dtype=torch.long), persistent=False)
         self.register_buffer("class_total", torch.zeros(num_classes, dtype=torch.long), persistent=False)
+        if compile:
+            self.compile()  # in place: parameter names, and so checkpoints, stay those of the eager module
 
     def forward(self, images: Tensor) -> Tensor:
         """(B, C, H, W) images in [0, 1] -> (B, K) logits."""
@@ -156,17 +164,19 @@ class ImageClassifier(pl.LightningModule):
         loss = F.cross_entropy(logits, labels)
         correct = logits.argmax(dim=-1) == labels
         batch_size = labels.shape[0]
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
-        self.log(f"{stage}/accuracy", correct.float().mean(), prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
-        if stage == "train":
+        # No prog_bar in training: Lightning reads progress-bar values on the host every step.
+        evaluating = stage != "train"
+        self.log(f"{stage}/loss", loss, prog_bar=evaluating, batch_size=batch_size, sync_dist=evaluating)
+        self.log(f"{stage}/accuracy", correct.float().mean(), prog_bar=evaluating, batch_size=batch_size, sync_dist=evaluating)
+        if stage == "train" and logging_step(self.trainer):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch_size)
         if stage == "test":
             self.class_correct += torch.bincount(labels[correct], minlength=self.num_classes)
             self.class_total += torch.bincount(labels, minlength=self.num_classes)
         return loss
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self._step(batch, "train")
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
+        return self.loss_guard(self._step(batch, "train"), self.trainer)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self._step(batch, "val")
@@ -187,7 +197,11 @@ class ImageClassifier(pl.LightningModule):
                 self.log(f"test/accuracy/{name}", right / count)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer))
+        return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer),
+                                   global_batch_size(self.trainer))
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [LossGuardCheck(self.loss_guard)]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The encoder at the fine-tuning size: few-shot evaluation and further fine-tuning read it.

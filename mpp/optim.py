@@ -26,6 +26,10 @@ class OptimizerConfig:
         momentum: SGD's momentum.
         warmup_steps: linear warmup from 0 to `lr`.
         final_lr: learning rate at the last step, reached by cosine decay.
+        reference_batch_size: the global batch `lr` and `final_lr` are meant for; the run's own
+            global batch (nodes x devices x data.batch_size x accumulate_grad_batches) scales
+            them by `lr_scaling`. null: `lr` is used as given, whatever the batch.
+        lr_scaling: `linear` (lr x batch / reference) or `sqrt` (lr x sqrt(batch / reference)).
     """
 
     name: Literal["adamw", "sgd"]
@@ -35,6 +39,8 @@ class OptimizerConfig:
     momentum: float = 0.9
     warmup_steps: int = 0
     final_lr: float = 0.0
+    reference_batch_size: int | None = None
+    lr_scaling: Literal["linear", "sqrt"] = "linear"
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "sgd"):
@@ -47,6 +53,20 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.warmup_steps must be non-negative, got {self.warmup_steps}")
         if not 0.0 <= self.final_lr <= self.lr:
             raise ValueError(f"optimizer.final_lr must be in [0, lr], got {self.final_lr}")
+        if self.reference_batch_size is not None and self.reference_batch_size < 1:
+            raise ValueError(f"optimizer.reference_batch_size must be positive or null, got {self.reference_batch_size}")
+        if self.lr_scaling not in ("linear", "sqrt"):
+            raise ValueError(f"optimizer.lr_scaling must be linear or sqrt, got {self.lr_scaling!r}")
+
+    def lr_factor(self, global_batch_size: int | None) -> float:
+        """How much `lr` is scaled for a run whose global batch is `global_batch_size`."""
+        if self.reference_batch_size is None:
+            return 1.0
+        if global_batch_size is None:
+            raise ValueError("optimizer.reference_batch_size is set but the run's global batch is unknown: "
+                             "the data module must have a batch_size (ShardDataModule has)")
+        ratio = global_batch_size / self.reference_batch_size
+        return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -79,15 +99,32 @@ def total_steps(trainer: pl.Trainer) -> int:
     return int(steps)
 
 
-def configure_optimizer(model: nn.Module, config: OptimizerConfig, total_steps: int) -> dict[str, Any]:
-    """The optimiser and its per-step schedule, in the form `configure_optimizers` returns."""
+def global_batch_size(trainer: pl.Trainer) -> int | None:
+    """Samples per optimiser step over all ranks: nodes x devices x batch x accumulation (None if the
+    data module does not say its batch size)."""
+    batch = getattr(trainer.datamodule, "batch_size", None)
+    return None if batch is None else trainer.world_size * batch * trainer.accumulate_grad_batches
+
+
+def logging_step(trainer: pl.Trainer) -> bool:
+    """Whether the training step now running is one whose metrics go to the loggers."""
+    return (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
+
+
+def configure_optimizer(model: nn.Module, config: OptimizerConfig, total_steps: int,
+                        global_batch: int | None = None) -> dict[str, Any]:
+    """The optimiser and its per-step schedule, in the form `configure_optimizers` returns.
+
+    `global_batch` scales the learning rate where the config names a reference batch size.
+    """
     groups = parameter_groups(model, config.weight_decay)
+    lr = config.lr * config.lr_factor(global_batch)
     # fused kernels where available: one launch for all parameters on GPU.
     fused = {"fused": True} if all(p.is_cuda for g in groups for p in g["params"]) else {}
     if config.name == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, **fused)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=lr, betas=config.betas, **fused)
     else:
-        optimizer = torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum, **fused)
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=config.momentum, **fused)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: warmup_cosine(

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
+from mpp.guards import LossGuard, LossGuardCheck, Policy
 from mpp.images import Normalise, to_unit_range
-from mpp.optim import OptimizerConfig, configure_optimizer, total_steps
+from mpp.optim import OptimizerConfig, configure_optimizer, global_batch_size, logging_step, total_steps
 from mpp.targets import TargetConfig, prediction_accuracy, prediction_loss
 from mpp.vit import ViT, ViTConfig, pick
 
@@ -46,6 +47,9 @@ class MaskedPatchPretraining(pl.LightningModule):
         target: what is predicted per corrupted patch.
         pixel_mean: normalisation of the encoder's input, one value or one per channel.
         pixel_std: likewise.
+        compile: compile `forward` (targets, corruption, encoder, head) with torch.compile; shapes
+            are static, so it compiles once for training and once for evaluation.
+        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.guards).
     """
 
     def __init__(
@@ -57,10 +61,13 @@ class MaskedPatchPretraining(pl.LightningModule):
         target: TargetConfig = TargetConfig(),
         pixel_mean: Sequence[float] = (0.5,),
         pixel_std: Sequence[float] = (0.5,),
+        compile: bool = False,
+        nonfinite_loss: Policy = "stop",
     ) -> None:
         super().__init__()
         self.encoder_config = as_config(encoder, ViTConfig)
         self.optimizer_config = as_config(optimizer, OptimizerConfig)
+        self.loss_guard = LossGuard(nonfinite_loss)
         self.corruption = as_config(corruption, CorruptionConfig)
         self.target = as_config(target, TargetConfig)
         # Hyperparameters are stored as plain data so that checkpoints load without unpickling
@@ -82,6 +89,8 @@ class MaskedPatchPretraining(pl.LightningModule):
         nn.init.zeros_(self.head.bias)
         # Evaluation tally of target classes, for the majority-class baseline.
         self.register_buffer("target_counts", torch.zeros(self.outputs, dtype=torch.long), persistent=False)
+        if compile:
+            self.compile()  # in place: parameter names, and so checkpoints, stay those of the eager module
 
     def targets(self, images: Tensor) -> Tensor:
         """(B, C, H, W) in [0, 1] -> (B, N, ...) the target of every patch."""
@@ -109,18 +118,20 @@ class MaskedPatchPretraining(pl.LightningModule):
         output = self(to_unit_range(images))
         loss = prediction_loss(output.predictions, output.targets)
         batch_size = images.shape[0]
-        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
+        # No prog_bar in training: Lightning reads progress-bar values on the host every step.
+        evaluating = stage != "train"
+        self.log(f"{stage}/loss", loss, prog_bar=evaluating, batch_size=batch_size, sync_dist=evaluating)
         if not output.targets.is_floating_point():
             accuracy = prediction_accuracy(output.predictions, output.targets)
-            self.log(f"{stage}/mpp_accuracy", accuracy, prog_bar=True, batch_size=batch_size, sync_dist=stage != "train")
-            if stage != "train":
+            self.log(f"{stage}/mpp_accuracy", accuracy, prog_bar=evaluating, batch_size=batch_size, sync_dist=evaluating)
+            if evaluating:
                 self.target_counts += torch.bincount(output.targets.flatten(), minlength=self.outputs)
-        if stage == "train":
+        if stage == "train" and logging_step(self.trainer):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch_size)
         return loss
 
-    def training_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
-        return self._step(batch, "train")
+    def training_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
+        return self.loss_guard(self._step(batch, "train"), self.trainer)
 
     def validation_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
         return self._step(batch, "val")
@@ -146,7 +157,11 @@ class MaskedPatchPretraining(pl.LightningModule):
             self.log(f"{stage}/majority_accuracy", counts.max() / counts.sum())
 
     def configure_optimizers(self) -> dict[str, Any]:
-        return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer))
+        return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer),
+                                   global_batch_size(self.trainer))
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [LossGuardCheck(self.loss_guard)]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Fine-tuning rebuilds the encoder from this alone.
