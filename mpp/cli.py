@@ -19,8 +19,11 @@ from urllib.parse import urlparse
 import pytorch_lightning as pl
 from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 from pytorch_lightning.loggers import WandbLogger
+from pytorch_lightning.plugins.io import CheckpointIO
 
+from mpp.checkpointing import AtomicCheckpointIO
 from mpp.data import ShardDataModule
+from mpp.optim import global_batch_size
 
 log = logging.getLogger("mpp")
 
@@ -59,6 +62,14 @@ class MPPCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         place_run_outputs(self.config.get(self.subcommand, self.config))
 
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """The configured trainer, writing checkpoints atomically unless the config names a CheckpointIO."""
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+        return super().instantiate_trainer(**kwargs)
+
     def before_fit(self) -> None:
         self.trainer.print(run_summary(self.trainer, self.model, self.datamodule))
 
@@ -92,6 +103,7 @@ def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> st
         f"mpp: data train={data.hparams.get('train')} val={data.hparams.get('val')}",
         f"mpp: world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s)), "
         f"precision {trainer.precision}, max_steps {trainer.max_steps}",
+        *batch_and_lr(trainer, model, data),
         f"mpp: run folder {trainer.default_root_dir}; checkpoints in {', '.join(checkpoint_dirs) or 'none'}",
     ]
     for logger in trainer.loggers:
@@ -102,6 +114,23 @@ def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> st
                 + (" (no API key found; upload later with `wandb sync <run folder>/wandb/offline-run-*`)" if mode == "offline" else "")
             )
     return "\n".join(lines)
+
+
+def batch_and_lr(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> list[str]:
+    """The global batch as the product that makes it, and the learning rate it gets."""
+    batch = getattr(data, "batch_size", None)
+    if batch is None:
+        return []
+    total = global_batch_size(trainer)
+    line = (f"mpp: global batch {total} = {trainer.num_nodes} node(s) x {trainer.num_devices} device(s) x "
+            f"batch {batch} x {trainer.accumulate_grad_batches} accumulated")
+    config = getattr(model, "optimizer_config", None)
+    if config is not None:
+        factor = config.lr_factor(total)
+        line += f"; peak lr {config.lr * factor:.4g}"
+        if config.reference_batch_size is not None:
+            line += f" (optimizer.lr {config.lr:g} for batch {config.reference_batch_size}, {config.lr_scaling} scaling)"
+    return [line]
 
 
 def results_summary(trainer: pl.Trainer) -> str:

@@ -57,6 +57,20 @@ def test_every_config_loads(config):
         assert resolved["model"]["init_args"]["encoder"]["patch_size"] >= 1
 
 
+def test_the_fsdp_preset_shards_each_vit_block():
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from mpp.strategies import BlockFSDPStrategy
+    from mpp.vit import Block
+
+    resolved = yaml.safe_load(print_config("--config", str(ROOT / "configs/trainer/fsdp.yaml"), "--config", str(DEMO)))
+    strategy = resolved["trainer"]["strategy"]
+    assert strategy["class_path"] == "mpp.strategies.BlockFSDPStrategy"
+    built = BlockFSDPStrategy(**{**strategy["init_args"], "activation_checkpointing": True})
+    for policy in (built.kwargs["auto_wrap_policy"], built._activation_checkpointing_kwargs["auto_wrap_policy"]):
+        assert isinstance(policy, ModuleWrapPolicy) and set(policy._module_classes) == {Block}
+
+
 def test_printed_config_feeds_back_as_a_config(tmp_path):
     printed = print_config("--config", str(DEMO), "--trainer.max_steps", "7")
     saved = tmp_path / "run.yaml"
