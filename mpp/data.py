@@ -3,172 +3,46 @@
 A batch is a dict:
     "image":   uint8 (B, C, H, W), raw pixels (the model normalises them itself)
     "label":   int64 (B,), -1 for samples without a `.cls` member
-    "skipped": int64 (), samples this worker dropped since its previous batch (undecodable
-               image, no image member, a tar that broke off); summed over batches, the total.
+    "skipped": int64 (), samples dropped since the worker's previous batch (undecodable
+               image, one over max_image_pixels, no image member, a tar that broke off:
+               one each); summed over batches, the total.
 
 Shards are split over ranks (rank and world size from the trainer) and then over DataLoader
 workers. Without `resampled`, each sample is read once per epoch across all ranks x workers;
-with it, every rank and worker draws shards at random with replacement and every rank yields
+with it, every rank draws shards at random with replacement from its own share (disjoint
+across ranks, and across its workers where there are enough shards) and yields
 samples_per_epoch // (world_size * batch_size) batches, so DDP ranks stay in step.
+
+Training streams are seeded by the epoch and by the trainer's global step when iteration
+starts. Lightning restarts an iterable loader from its start when a run resumes mid-epoch,
+so a resumed run draws fresh samples rather than the ones it already trained on; a run that
+is not interrupted starts each epoch at a fixed step, so it is reproducible as before.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import tarfile
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+import os
+import re
+import signal
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
-from typing import Any
+from types import FrameType
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
-import webdataset
-from PIL import Image
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
-from mpp.storage import expand_urls, open_url
-from mpp.tarstream import iter_samples
-from mpp.transforms import IMAGE_EXTENSIONS, ImageTransform
+from mpp.secrets import redact_tree
+from mpp.storage import expand_urls
+from mpp.stream import Batch, Position, ShardStream, Whereabouts, fold_skip_only_batches
+from mpp.transforms import DEFAULT_MAX_PIXELS, ImageTransform
 
 log = logging.getLogger(__name__)
 
-Batch = dict[str, torch.Tensor]
 ShardSpec = str | list[str]
-
-# What a broken sample or shard raises while being read or decoded (PIL uses several of these).
-_BAD_INPUT = (OSError, ValueError, SyntaxError, EOFError, IndexError, tarfile.TarError, zlib.error,
-              Image.DecompressionBombError)
-
-
-class _Skips:
-    """Counts the samples one worker dropped; the first one per process is logged as a warning.
-
-    So many failures in a row that nothing is readable (every shard broken, a wrong format) is an
-    error instead: a resampled stream would otherwise spin forever without a batch.
-    """
-
-    warned = False
-    limit = 1000
-
-    def __init__(self) -> None:
-        self.count = self.streak = 0
-
-    def add(self, what: str, error: BaseException) -> None:
-        self.count += 1
-        self.streak += 1
-        if self.streak >= self.limit:
-            raise RuntimeError(f"{self.streak} samples or shards in a row were unreadable, the last "
-                               f"{what}: {type(error).__name__}: {error}")
-        if not _Skips.warned:
-            _Skips.warned = True
-            log.warning("skipped %s: %s: %s (further skips are counted in batch['skipped'] and logged at "
-                        "DEBUG level)", what, type(error).__name__, error)
-        else:
-            log.debug("skipped %s: %s: %s", what, type(error).__name__, error)
-
-    def take(self) -> int:
-        count, self.count = self.count, 0
-        return count
-
-
-class ShardStream(IterableDataset):
-    """The batches of one rank's share of the shards; iterated inside each DataLoader worker.
-
-    `epoch` is set by ShardLoader before every iter(); workers are created anew for each
-    epoch (no persistent workers), so they see the value set in the main process.
-    """
-
-    def __init__(self, *, urls: Sequence[str], rank: int, world_size: int, batch_size: int,
-                 transform: ImageTransform, shard_shuffle: bool, shuffle_buffer: int,
-                 resampled: bool, seed: int, allow_pipe: bool) -> None:
-        super().__init__()
-        self.urls, self.rank, self.world_size, self.batch_size = list(urls), rank, world_size, batch_size
-        self.transform, self.shard_shuffle, self.shuffle_buffer = transform, shard_shuffle, shuffle_buffer
-        self.resampled, self.seed, self.allow_pipe = resampled, seed, allow_pipe
-        self.epoch = 0
-
-    def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        # Seeded by everything that should change the stream, so runs are reproducible.
-        rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{worker}")
-        skips = _Skips()
-        samples = _tar_samples(self._shard_order(rng), skips, self.allow_pipe)
-        if self.shuffle_buffer > 1:
-            samples = webdataset.filters.shuffle(self.shuffle_buffer, initial=min(100, self.shuffle_buffer),
-                                                 rng=rng)(samples)
-        return _batches(_decoded(samples, self.transform, rng, skips), self.batch_size, skips)
-
-    def _shard_order(self, rng: random.Random) -> Iterator[str]:
-        """Shard URLs for this rank and worker: an endless random draw, or this epoch's share."""
-        if self.resampled:
-            while True:
-                yield rng.choice(self.urls)
-        urls = list(self.urls)
-        if self.shard_shuffle:
-            # One permutation for all ranks and workers, so that their slices partition it.
-            random.Random(f"{self.seed}/{self.epoch}").shuffle(urls)
-        yield from webdataset.split_by_worker(urls[self.rank :: self.world_size])
-
-
-def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool) -> Iterator[dict[str, Any]]:
-    """Shard URLs -> samples {"__key__", "__url__", extension: bytes}; a tar that breaks off counts one skip."""
-    for url in urls:
-        stream = open_url(url, allow_pipe=allow_pipe)  # an unreachable shard is an error, not a skip
-        last = None
-        try:
-            for sample in iter_samples(stream):
-                last = sample["__key__"]
-                yield {**sample, "__url__": url}
-        except _BAD_INPUT as error:
-            skips.add(f"shard {url} after sample {last}" if last else f"shard {url}", error)
-        finally:
-            stream.close()
-
-
-def _decoded(samples: Iterator[dict[str, Any]], transform: ImageTransform, rng: random.Random,
-             skips: _Skips) -> Iterator[tuple[np.ndarray, int]]:
-    """Samples -> (image (H, W, C) uint8, label or -1); bad samples are counted and dropped."""
-    for sample in samples:
-        try:
-            extension = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
-            if extension is None:
-                members = sorted(k for k in sample if not k.startswith("__"))
-                raise ValueError(f"no image member (.png, .jpg, ...); it has {members}")
-            label = int(sample["cls"]) if "cls" in sample else -1
-            image = transform(sample[extension], rng)
-        except _BAD_INPUT as error:
-            skips.add(f"sample {sample['__key__']} of {sample['__url__']}", error)
-            continue
-        skips.streak = 0
-        yield image, label
-
-
-def _batches(examples: Iterator[tuple[np.ndarray, int]], batch_size: int, skips: _Skips) -> Iterator[Batch]:
-    """Collate into batches; each is held back until the next fills, so skips after the last still count."""
-    held: Batch | None = None
-    images: list[np.ndarray] = []
-    labels: list[int] = []
-    for image, label in examples:
-        images.append(image)
-        labels.append(label)
-        if len(images) == batch_size:
-            if held is not None:
-                yield held
-            held = _collate(images, labels, skips.take())
-            images, labels = [], []
-    if images:
-        if held is not None:
-            yield held
-        held = _collate(images, labels, skips.take())
-    if held is not None:
-        held["skipped"] += skips.take()
-        yield held
-    elif skips.count:
-        log.warning("a DataLoader worker skipped %d samples and had none left to batch", skips.count)
 
 
 def _require(ok: bool, name: str, value: object, wanted: str) -> None:
@@ -176,35 +50,126 @@ def _require(ok: bool, name: str, value: object, wanted: str) -> None:
         raise ValueError(f"ShardDataModule: {name}={value!r} is invalid; it must be {wanted}")
 
 
-def _collate(pixels: list[np.ndarray], labels: list[int], skipped: int) -> Batch:
-    """(H, W, C) arrays -> a batch; one strided copy per image (numpy's is twice as fast as torch.stack's)."""
-    height, width, channels = pixels[0].shape
-    images = np.empty((len(pixels), channels, height, width), dtype=np.uint8)
-    for slot, hwc in zip(images, pixels):
-        slot[...] = hwc.transpose(2, 0, 1)
-    return {"image": torch.from_numpy(images), "label": torch.tensor(labels, dtype=torch.int64),
-            "skipped": torch.tensor(skipped, dtype=torch.int64)}
-
-
 class ShardLoader:
-    """Iterates a DataLoader over a ShardStream: sets the stream's epoch first, cuts resampled epochs."""
+    """Iterates a DataLoader over a ShardStream: sets the stream's (epoch, start step) first, cuts
+    resampled epochs, and names the shard and sample of a worker that dies."""
 
-    def __init__(self, stream: ShardStream, *, num_workers: int, epoch: Callable[[], int],
+    def __init__(self, stream: ShardStream, *, num_workers: int, position: Callable[[], tuple[int, int]],
                  num_batches: int | None) -> None:
-        self.stream, self.num_batches, self._epoch = stream, num_batches, epoch
+        self.stream, self.num_batches, self._position = stream, num_batches, position
         # Batches are collated inside the workers (batch_size=None), where skips are counted.
         self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
                                  pin_memory=torch.cuda.is_available())
 
     def __iter__(self) -> Iterator[Batch]:
-        self.stream.epoch = self._epoch()
-        batches = iter(self.loader)
-        return batches if self.num_batches is None else islice(batches, self.num_batches)
+        self.stream.epoch, self.stream.start_step = self._position()
+        workers = self.loader.num_workers
+        self.stream.whereabouts = whereabouts = Whereabouts(workers) if workers else None
+        if whereabouts is not None:
+            _watched.add(whereabouts)
+        # iter() starts the workers, each with a copy of the stream as it is now.
+        batches = fold_skip_only_batches(iter(self.loader))
+        if self.num_batches is not None:
+            batches = islice(batches, self.num_batches)
+        if whereabouts is None:
+            return batches
+        _watch_worker_deaths()  # after iter(): torch installs its SIGCHLD handler there
+        return _naming_deaths(batches, whereabouts)
 
     def __len__(self) -> int:
         if self.num_batches is None:
             raise TypeError("a stream that is not resampled has no fixed length")
         return self.num_batches
+
+
+class WorkerDiedError(RuntimeError):
+    """A DataLoader worker was killed or exited; the message names the shard it was reading."""
+
+
+def _naming_deaths(batches: Iterator[Batch], whereabouts: Whereabouts) -> Iterator[Batch]:
+    """The batches; an error met while waiting for one, where a worker has died, names its shard.
+
+    Besides torch's own error, a worker killed just after it queued a batch makes fetching that
+    batch fail with an OSError (its tensors are passed through a socket of the dead worker).
+    """
+    try:
+        yield from batches
+    except WorkerDiedError:
+        raise
+    except (RuntimeError, OSError) as error:
+        positions = whereabouts.read()
+        dead = _torch_death_pids(error) or _exited({p.pid for p in positions if p.pid})
+        if not dead:
+            raise
+        raise _died(error, positions, dead) from error
+    finally:
+        _watched.discard(whereabouts)
+
+
+# The positions of the workers of every loader being iterated, for the SIGCHLD handler below.
+_watched: weakref.WeakSet[Whereabouts] = weakref.WeakSet()
+
+
+def _watch_worker_deaths() -> None:
+    """Wrap the SIGCHLD handler torch installs, so that the error for a dead worker names its shard.
+
+    torch raises that error from the handler, in the main thread wherever it is when the signal
+    comes: in a training step as often as in the loader, where _naming_deaths cannot see it.
+    Signal handlers can only be set from the main thread; elsewhere _naming_deaths remains.
+    """
+    if not hasattr(signal, "SIGCHLD") or threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGCHLD)
+    if not callable(previous) or getattr(previous, "names_dead_workers", False):
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        try:
+            previous(signum, frame)
+        except RuntimeError as error:
+            dead = _torch_death_pids(error)
+            if not dead:
+                raise
+            raise _died(error, [p for w in list(_watched) for p in w.read()], dead) from error
+
+    handler.names_dead_workers = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGCHLD, handler)
+
+
+def _torch_death_pids(error: BaseException) -> set[int]:
+    """The pids in torch's "DataLoader worker (pid N) is killed by signal" / "(pid(s) N, M) exited" errors."""
+    match = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\)", str(error))
+    return {int(pid) for pid in match.group(1).split(",")} if match else set()
+
+
+def _exited(pids: Iterable[int]) -> set[int]:
+    """Those of this process's child pids that have exited, without reaping them (torch does that)."""
+    if not hasattr(os, "waitid"):
+        return set()
+    gone = set()
+    for pid in pids:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                gone.add(pid)
+        except ChildProcessError:  # reaped already
+            gone.add(pid)
+    return gone
+
+
+def _died(error: BaseException, positions: list[Position], dead: set[int]) -> WorkerDiedError:
+    """The error naming where each dead worker was; torch's words for how it died are kept."""
+    cause, seen = error, set()
+    while cause is not None and id(cause) not in seen:  # the handler's error, below torch's "exited"
+        if isinstance(cause, WorkerDiedError):
+            return WorkerDiedError(str(cause))
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    known = {p.pid: p.describe() for p in positions}
+    where = "; ".join(known.get(pid, f"pid {pid}, which had not opened a shard") for pid in sorted(dead))
+    return WorkerDiedError(
+        f"a DataLoader worker died: {where}. {type(error).__name__}: {str(error).rstrip()} If it was killed "
+        "(often by the out-of-memory killer), use fewer workers or a smaller shuffle_buffer; if it crashed, "
+        "try that sample on its own.")
 
 
 class ShardDataModule(pl.LightningDataModule):
@@ -226,13 +191,23 @@ class ShardDataModule(pl.LightningDataModule):
         shard_shuffle: shuffle the training shard order, anew each epoch.
         shuffle_buffer: training samples held in each worker's shuffle buffer (0 or 1: none).
         resampled: draw training shards with replacement, an endless stream cut into epochs of
-            samples_per_epoch samples (across all ranks); use it for multi-GPU training.
+            samples_per_epoch samples (across all ranks); use it for multi-GPU training. Each
+            rank draws from its own shards, urls[rank::world_size], and each of its workers
+            from its own part of those, where there are enough; with fewer shards than ranks
+            every rank draws from all (and a warning says so).
         samples_per_epoch: global training samples per epoch; required with `resampled`.
-        seed: seeds shard order, sample shuffle and augmentation (with epoch, rank and worker).
+        seed: seeds shard order, sample shuffle and augmentation (with epoch, step, rank and worker).
         allow_pipe: allow pipe: URLs, which run shell commands.
+        max_image_pixels: an image whose header declares more pixels is skipped (and counted)
+            without being decoded. The default is PIL's Image.MAX_IMAGE_PIXELS default, about
+            0.25 GiB of RGB; PIL itself still refuses images over twice its own limit.
 
     Rank and world size come from the trainer in setup(), or from setup(rank=, world_size=).
-    The epoch that reseeds shard order comes from trainer.current_epoch, or set_epoch().
+    The epoch that reseeds shard order comes from trainer.current_epoch, or set_epoch(). A
+    training stream is also seeded by trainer.global_step when it starts (or set_epoch's
+    `step`): a run resumed mid-epoch, which Lightning restarts at the loader's beginning,
+    draws fresh samples. A stream that is not resampled rereads the whole of the resumed
+    epoch's shards, in that epoch's order, with fresh sample shuffling and augmentation.
     """
 
     def __init__(self, *, train: ShardSpec | None = None, val: ShardSpec | None = None,
@@ -241,9 +216,11 @@ class ShardDataModule(pl.LightningDataModule):
                  crop_scale: tuple[float, float] = (0.08, 1.0), crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
                  hflip: bool = True, eval_crop_fraction: float = 0.875, shard_shuffle: bool = True,
                  shuffle_buffer: int = 1000, resampled: bool = False, samples_per_epoch: int | None = None,
-                 seed: int = 0, allow_pipe: bool = False) -> None:
+                 seed: int = 0, allow_pipe: bool = False, max_image_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+        settings = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()
-        self.save_hyperparameters()
+        # Lightning hands these to every logger and checkpoint: shard URLs go with credentials masked.
+        self.save_hyperparameters(redact_tree(settings))
         size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
         _require(batch_size >= 1, "batch_size", batch_size, "a positive number of samples")
         _require(num_workers >= 0, "num_workers", num_workers, "0 or more worker processes")
@@ -257,17 +234,18 @@ class ShardDataModule(pl.LightningDataModule):
                  "a positive number")
         _require(not resampled or samples_per_epoch is not None, "samples_per_epoch", samples_per_epoch,
                  "set with resampled=True, which makes an endless stream")
+        _require(max_image_pixels >= 1, "max_image_pixels", max_image_pixels, "a positive number of pixels")
         self.specs = {"train": train, "val": val, "test": test}
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.resampled, self.samples_per_epoch, self.allow_pipe = resampled, samples_per_epoch, allow_pipe
         self.shard_shuffle, self.shuffle_buffer = shard_shuffle, shuffle_buffer
-        common = {"size": size, "channels": channels}
+        common = {"size": size, "channels": channels, "max_pixels": max_image_pixels}
         self.train_transform = ImageTransform(train=True, scale=tuple(crop_scale), ratio=tuple(crop_ratio),
                                               hflip=hflip, **common)
         self.eval_transform = ImageTransform(train=False, crop_fraction=eval_crop_fraction, **common)
         self.rank, self.world_size = 0, 1
         self.urls: dict[str, list[str]] = {}
-        self._epoch = 0
+        self._epoch = self._step = 0
 
     def setup(self, stage: str | None = None, *, rank: int | None = None, world_size: int | None = None) -> None:
         """Expand and check the shards a stage needs; rank/world size default to the trainer's, else 0/1."""
@@ -292,10 +270,14 @@ class ShardDataModule(pl.LightningDataModule):
             if len(urls) < self.world_size and not (split == "train" and self.resampled):
                 log.warning("%s has %d shards for %d ranks: some ranks read nothing", split, len(urls),
                             self.world_size)
+        if train is not None and self.resampled and len(train) < self.world_size and "train" in splits:
+            log.warning("train has %d shards for %d ranks: every rank draws from all of them, so ranks "
+                        "read the same samples; give at least one shard per rank", len(train), self.world_size)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch that seeds shard order and augmentation when there is no trainer."""
-        self._epoch = epoch
+    def set_epoch(self, epoch: int, *, step: int = 0) -> None:
+        """Choose the epoch that seeds shard order and augmentation, and the global step a training
+        stream starts at, when there is no trainer."""
+        self._epoch, self._step = epoch, step
 
     def train_dataloader(self) -> ShardLoader:
         """Training batches: random crops and flips, shuffled shards and samples."""
@@ -309,9 +291,15 @@ class ShardDataModule(pl.LightningDataModule):
         """Test batches: centre crops in shard order."""
         return self._loader("test", train=False)
 
-    def _current_epoch(self) -> int:
-        # Lightning never calls set_epoch on an iterable dataset; the trainer's count is the truth.
-        return self.trainer.current_epoch if self.trainer is not None else self._epoch
+    def _training_position(self) -> tuple[int, int]:
+        """(epoch, global step) as a training stream starts; read at each iter(), as Lightning never
+        calls set_epoch on an iterable dataset and the trainer's counts are the truth."""
+        if self.trainer is not None:
+            return self.trainer.current_epoch, self.trainer.global_step
+        return self._epoch, self._step
+
+    def _eval_position(self) -> tuple[int, int]:
+        return self._training_position()[0], 0
 
     def _loader(self, split: str, *, train: bool) -> ShardLoader:
         if split not in self.urls:
@@ -329,4 +317,5 @@ class ShardDataModule(pl.LightningDataModule):
             shard_shuffle=train and self.shard_shuffle, shuffle_buffer=self.shuffle_buffer if train else 0,
             resampled=resampled, seed=self.seed, allow_pipe=self.allow_pipe,
         )
-        return ShardLoader(stream, num_workers=self.num_workers, epoch=self._current_epoch, num_batches=num_batches)
+        position = self._training_position if train else self._eval_position
+        return ShardLoader(stream, num_workers=self.num_workers, position=position, num_batches=num_batches)

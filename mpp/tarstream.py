@@ -3,8 +3,12 @@
 Python's tarfile spends ~0.1 ms per shard sample parsing headers, a tenth of the cost of
 decoding a 256 px JPEG; this reader handles what shard writers emit (ustar, GNU long
 names, pax path/size records) at a fraction of that. Compressed tars are not read.
-A stream that ends before the end-of-archive marker (wherever it stops), or a header that
-fails its checksum, raises tarfile.ReadError.
+
+Damage raises tarfile.ReadError where it is met: a stream that ends before the
+end-of-archive marker (wherever it stops), a header that fails its checksum, a negative
+or malformed size or pax record, and data after the end-of-archive marker (a zeroed
+header inside the archive looks like the marker; what follows gives it away). A member
+that claims more bytes than the stream holds costs no more memory than the stream has.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, BinaryIO
 BLOCK = 512
 _END = bytes(BLOCK)
 _REGULAR = (b"0", b"\x00", b"7")
+_CHUNK = 16 << 20  # the most bytes asked of the stream at once
 
 
 def iter_files(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
@@ -27,10 +32,11 @@ def iter_files(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
         if header is None:
             raise tarfile.ReadError("the stream ended before the end-of-archive marker: a truncated tar")
         if header == _END:
+            _check_nothing_follows(stream)
             return
         _check(header)
         kind = header[156:157]
-        size = int(pax["size"]) if "size" in pax else _number(header[124:136])
+        size = _size(pax["size"]) if "size" in pax else _number(header[124:136])
         data = _read_exact(stream, size, "member data")
         if data is None:
             raise tarfile.ReadError("the stream ended where member data was due")
@@ -52,8 +58,12 @@ def iter_samples(stream: BinaryIO) -> Iterator[dict[str, Any]]:
     """Group consecutive files by key into samples {"__key__": key, extension: bytes}.
 
     The key is the name up to the first dot of its last path part ("a/b.seg.png" -> key
-    "a/b", extension "seg.png"); names starting "__" are metadata and skipped. When the stream
-    breaks off, the sample in hand is dropped (it may lack a member) and the error raised.
+    "a/b", extension "seg.png"), as webdataset names them; so a key written with a dot in it
+    ("img.1" + ".png") reads as key "img" with extension "1.png". Names starting "__" are
+    metadata and skipped. An extension the sample in hand already has starts a new sample,
+    so consecutive samples written under one key stay apart (each gets the members up to its
+    repeat). When the stream breaks off, the sample in hand is dropped (it may lack a member)
+    and the error raised.
     """
     sample: dict[str, Any] = {}
     for name, data in iter_files(stream):
@@ -62,18 +72,23 @@ def iter_samples(stream: BinaryIO) -> Iterator[dict[str, Any]]:
         if not dot or key.startswith("__"):
             continue
         key = f"{folder}/{key}" if folder else key
-        if sample and sample["__key__"] != key:
+        extension = extension.lower()
+        if sample and (sample["__key__"] != key or extension in sample):
             yield sample
             sample = {}
         sample["__key__"] = key
-        sample[extension.lower()] = data
+        sample[extension] = data
     if sample:
         yield sample
 
 
 def _read_exact(stream: BinaryIO, size: int, what: str) -> bytes | None:
-    """Exactly `size` bytes; None at a clean end of stream, ReadError when it stops part-way."""
-    data = stream.read(size)
+    """Exactly `size` bytes; None at a clean end of stream, ReadError when it stops part-way.
+
+    Sizes come from the tar headers, so they are read in chunks: a header that lies about its
+    size must not make the reader allocate what it claims.
+    """
+    data = stream.read(min(size, _CHUNK))
     if len(data) == size:
         return data
     if not data:
@@ -81,12 +96,24 @@ def _read_exact(stream: BinaryIO, size: int, what: str) -> bytes | None:
     parts = [data]
     got = len(data)
     while got < size:
-        more = stream.read(size - got)
+        more = stream.read(min(size - got, _CHUNK))
         if not more:
             raise tarfile.ReadError(f"the stream ended inside {what} ({got} of {size} bytes)")
         parts.append(more)
         got += len(more)
     return b"".join(parts)
+
+
+def _check_nothing_follows(stream: BinaryIO) -> None:
+    """After the end-of-archive block only zeros may follow (the second block, record padding).
+
+    Anything else means the "marker" was a zeroed header inside the archive, and the rest
+    would be lost in silence; a sound tar has at most one 10 KiB record left to read here.
+    """
+    while chunk := stream.read(1 << 16):
+        if chunk.count(0) != len(chunk):
+            raise tarfile.ReadError("data follows an end-of-archive block: a zeroed header inside the "
+                                    "archive, or tars joined end to end")
 
 
 def _check(header: bytes) -> None:
@@ -98,12 +125,21 @@ def _check(header: bytes) -> None:
 
 def _number(field: bytes) -> int:
     if field[0] & 0x80:  # GNU base-256, for sizes of 8 GiB and more
+        if field[0] == 0xFF:
+            raise tarfile.ReadError(f"negative number {field!r} in a tar header: corrupt")
         return int.from_bytes(field[1:], "big")
     digits = field.split(b"\x00", 1)[0].strip()
-    try:
-        return int(digits, 8) if digits else 0
-    except ValueError:
-        raise tarfile.ReadError(f"bad number {field!r} in a tar header: not a tar, or corrupt") from None
+    if not digits:
+        return 0
+    if not digits.isdigit() or b"8" in digits or b"9" in digits:
+        raise tarfile.ReadError(f"bad number {field!r} in a tar header: not a tar, or corrupt")
+    return int(digits, 8)
+
+
+def _size(text: str) -> int:
+    if not text.isdigit():
+        raise tarfile.ReadError(f"bad pax size record {text!r}: corrupt")
+    return int(text)
 
 
 def _header_name(header: bytes) -> str:
@@ -116,13 +152,20 @@ def _header_name(header: bytes) -> str:
 
 
 def _pax_records(data: bytes) -> dict[str, str]:
-    """Pax extended header records "<length> <key>=<value>\\n" -> {key: value}."""
+    """Pax extended header records "<length> <key>=<value>\\n" -> {key: value}.
+
+    Each length must carry the reader past its record, onto a newline, within the data: a
+    length of 0 would otherwise loop forever on a damaged header.
+    """
     records: dict[str, str] = {}
     pos = 0
-    while pos < len(data):
-        space = data.index(b" ", pos)
-        length = int(data[pos:space])
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
-        records[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
-        pos += length
+    while pos < len(data) and data[pos] != 0:  # some writers pad the records with NULs
+        space = data.find(b" ", pos)
+        length = data[pos:space]
+        end = pos + int(length) if space > pos and length.isdigit() else -1
+        if not space + 1 < end <= len(data) or data[end - 1] != ord("\n") or b"=" not in data[space + 1 : end]:
+            raise tarfile.ReadError(f"bad pax record at byte {pos} of a pax header: corrupt")
+        key, _, value = data[space + 1 : end - 1].partition(b"=")
+        records[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos = end
     return records

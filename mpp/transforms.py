@@ -17,6 +17,9 @@ from PIL import Image
 # Member extensions read as a sample's image, in order of preference.
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")
 
+# PIL's own default for Image.MAX_IMAGE_PIXELS: about 0.25 GiB of RGB pixels (a 9459 px square).
+DEFAULT_MAX_PIXELS = 89_478_485
+
 Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
 
 
@@ -85,6 +88,10 @@ class ImageTransform:
     Training: random resized crop (`scale`, `ratio`) and, if `hflip`, a horizontal flip half
     of the time. Evaluation: resize to cover size / crop_fraction, then centre-crop `size`.
     Images smaller than the crop are upscaled. Picklable, so DataLoader workers can use it.
+
+    An image whose header declares more than `max_pixels` pixels raises
+    Image.DecompressionBombError before any pixel is decoded. PIL's own guard only warns up
+    to twice Image.MAX_IMAGE_PIXELS, and past that refuses regardless of `max_pixels`.
     """
 
     def __init__(
@@ -97,13 +104,19 @@ class ImageTransform:
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         hflip: bool = True,
         crop_fraction: float = 0.875,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
         self.size, self.channels, self.train = size, channels, train
         self.scale, self.ratio, self.hflip, self.crop_fraction = scale, ratio, hflip, crop_fraction
+        self.max_pixels = max_pixels
 
     def __call__(self, data: bytes, rng: random.Random) -> np.ndarray:
         """Decode, crop and resize one image -> (H, W, channels) uint8."""
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data))  # reads the header only; pixels are decoded on first use
+        if image.width * image.height > self.max_pixels:
+            raise Image.DecompressionBombError(
+                f"a {image.width}x{image.height} image has {image.width * image.height} pixels, over the "
+                f"limit of {self.max_pixels} (max_image_pixels)")
         if self.train:
             box = random_resized_box(image.width, image.height, scale=self.scale, ratio=self.ratio, rng=rng)
         else:

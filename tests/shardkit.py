@@ -7,6 +7,8 @@ so a batch says which samples it holds and that each image still sits with its l
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,6 +33,16 @@ def sample(index: int, *, ext: str = "png", labelled: bool = True, size: tuple[i
     if labelled:
         record["cls"] = str(index).encode()
     return record
+
+
+def header_only_png(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height RGB pixels, with no pixel data: opens, never decodes."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
 
 
 def write_shard(path: Path, samples: Iterable[dict]) -> str:

@@ -1,10 +1,15 @@
-"""ShardDataModule: coverage, splitting, epochs, bad input, image modes, crops."""
+"""ShardDataModule: coverage, splitting, epochs, resuming, bad input, dying workers, image modes, crops."""
 
 from __future__ import annotations
 
 import io
+import logging
+import os
 import random
+import signal
 import tarfile
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -13,9 +18,19 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from PIL import Image
-from shardkit import encode, read_all, sample, write_shard, write_shards
+from pytorch_lightning.callbacks import ModelCheckpoint
+from shardkit import (
+    encode,
+    header_only_png,
+    read_all,
+    sample,
+    write_shard,
+    write_shards,
+)
 
-from mpp.data import ShardDataModule
+from mpp import stream
+from mpp.data import ShardDataModule, WorkerDiedError
+from mpp.stream import resampled_share
 from mpp.transforms import ImageTransform
 
 
@@ -72,6 +87,42 @@ def test_resampled_ranks_get_equal_batch_counts_and_different_streams(shards: st
     assert len({tuple(s) for s in streams}) == world_size
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_resampled_ranks_and_workers_draw_from_disjoint_shards_that_cover_all(shards: str, world_size: int) -> None:
+    drawn: list[set[int]] = []
+    for rank in range(world_size):
+        dm = make(shards, num_workers=2, resampled=True, samples_per_epoch=96)
+        dm.setup("fit", rank=rank, world_size=world_size)
+        by_worker: list[set[int]] = [set(), set()]
+        for index, batch in enumerate(dm.train_dataloader()):
+            # Workers take turns, batch by batch; shard s holds samples 3s, 3s + 1, 3s + 2.
+            by_worker[index % 2].update(label // 3 for label in batch["label"].tolist())
+        share = list(range(rank, 8, world_size))
+        assert by_worker == [set(share[0::2]), set(share[1::2])]
+        drawn.append(by_worker[0] | by_worker[1])
+    assert set().union(*drawn) == set(range(8)) and sum(map(len, drawn)) == 8
+
+
+def test_resampled_shares_fall_back_to_all_shards_when_too_few() -> None:
+    urls = [f"shard-{i}" for i in range(5)]
+    parts = [resampled_share(urls, rank=r, world_size=2, worker=w, num_workers=2) for r in (0, 1) for w in (0, 1)]
+    assert parts == [["shard-0", "shard-4"], ["shard-2"], ["shard-1"], ["shard-3"]]
+    # A rank with fewer shards than workers: each worker draws from all of the rank's shards.
+    assert resampled_share(urls, rank=1, world_size=2, worker=2, num_workers=3) == ["shard-1", "shard-3"]
+    # Fewer shards than ranks: every rank draws from all.
+    assert resampled_share(urls, rank=6, world_size=8, worker=0, num_workers=1) == urls
+
+
+def test_resampled_with_fewer_shards_than_ranks_warns_and_reads_all(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    dm = make(write_shards(tmp_path, shards=2, per_shard=3), resampled=True, samples_per_epoch=96)
+    with caplog.at_level(logging.WARNING, logger="mpp.data"):
+        dm.setup("fit", rank=2, world_size=3)
+    assert caplog.text.count("every rank draws from all") == 1
+    labels, _, _ = read_all(dm.train_dataloader())
+    assert {label // 3 for label in labels} == {0, 1}
+
+
 def test_shard_order_changes_with_the_epoch_and_repeats_with_it(shards: str) -> None:
     dm = make(shards, shuffle_buffer=0)
     dm.setup("fit")
@@ -96,39 +147,84 @@ def test_resampled_stream_changes_with_the_epoch(shards: str) -> None:
     assert first != second
 
 
+def test_training_streams_repeat_for_the_same_start_step_and_change_for_another(shards: str) -> None:
+    dm = make(shards, num_workers=2, resampled=True, samples_per_epoch=32)
+    dm.setup("fit")
+
+    def labels(epoch: int, step: int) -> list[int]:
+        dm.set_epoch(epoch, step=step)
+        return read_all(dm.train_dataloader())[0]
+
+    assert labels(1, 8) == labels(1, 8)
+    assert labels(1, 8) != labels(1, 11)
+
+
+def test_a_resumed_epoch_rereads_its_shards_in_order_with_fresh_sample_shuffling(shards: str) -> None:
+    def labels(step: int, shuffle_buffer: int) -> list[int]:
+        dm = make(shards, shuffle_buffer=shuffle_buffer)
+        dm.setup("fit")
+        dm.set_epoch(3, step=step)
+        return read_all(dm.train_dataloader())[0]
+
+    assert labels(0, 0) == labels(5, 0)  # the shard order is the epoch's
+    shuffled = labels(0, 8), labels(5, 8)
+    assert shuffled[0] != shuffled[1] and sorted(shuffled[0]) == sorted(shuffled[1]) == list(range(24))
+
+
 class _Recorder(pl.LightningModule):
-    """Records the labels of every training batch, per epoch, and of every validation batch."""
+    """Records the epoch and labels of every training batch, and the labels of every validation batch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.epochs: list[list[int]] = []
+        self.trained: list[tuple[int, list[int]]] = []
         self.validated: list[int] = []
 
-    def on_train_epoch_start(self) -> None:
-        self.epochs.append([])
+    def epoch(self, epoch: int) -> list[int]:
+        return [label for e, labels in self.trained if e == epoch for label in labels]
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.validated.extend(batch["label"].tolist())
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        self.epochs[-1].extend(batch["label"].tolist())
+        self.trained.append((self.current_epoch, batch["label"].tolist()))
         return (self.weight * batch["image"].float().mean()).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+def _trainer(tmp_path: Path, **kw: object) -> pl.Trainer:
+    return pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path, **kw)
+
+
 def test_trainer_epochs_reshuffle_shards_across_worker_restarts(shards: str, tmp_path: Path) -> None:
     dm = make(shards, val=shards, num_workers=2, shuffle_buffer=0)
     model = _Recorder()
-    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         default_root_dir=tmp_path)
-    trainer.fit(model, datamodule=dm)
-    assert [sorted(e) for e in model.epochs] == [list(range(24))] * 2
-    assert model.epochs[0] != model.epochs[1]
+    _trainer(tmp_path, enable_checkpointing=False).fit(model, datamodule=dm)
+    assert sorted(model.epoch(0)) == sorted(model.epoch(1)) == list(range(24))
+    assert model.epoch(0) != model.epoch(1)
     assert sorted(model.validated) == sorted(list(range(24)) * 2)
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended")
+def test_a_run_resumed_mid_epoch_draws_fresh_batches_and_then_runs_as_before(shards: str, tmp_path: Path) -> None:
+    def fit(**kw: object) -> list[tuple[int, list[int]]]:
+        model = _Recorder()
+        trainer = _trainer(tmp_path, enable_checkpointing="callbacks" in kw, callbacks=kw.pop("callbacks", None))
+        # 6 batches of 4 an epoch.
+        trainer.fit(model, datamodule=make(shards, resampled=True, samples_per_epoch=24), **kw)
+        return model.trained
+
+    every_4 = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+    whole = fit(callbacks=[every_4])
+    resumed = fit(ckpt_path=tmp_path / "step=4.ckpt")
+    # Lightning restarts the loader and ends the epoch after the 6 - 4 batches it still owes;
+    # they are new draws, not the first two batches again, and the next epoch is as it was.
+    assert [epoch for epoch, _ in whole] == [0] * 6 + [1] * 6
+    assert [epoch for epoch, _ in resumed] == [0] * 2 + [1] * 6
+    assert resumed[:2] != whole[:2] and resumed[2:] == whole[6:]
 
 
 def test_bad_samples_are_skipped_and_counted(tmp_path: Path) -> None:
@@ -148,6 +244,66 @@ def test_bad_samples_are_skipped_and_counted(tmp_path: Path) -> None:
         dm.setup("fit")
         labels, skipped, _ = read_all(dm.train_dataloader())
         assert sorted(labels) == list(range(12)) and skipped == 4
+
+
+def test_images_over_the_pixel_limit_are_refused_before_decoding() -> None:
+    transform = ImageTransform(size=(4, 4), channels=3, train=False, max_pixels=100)
+    assert (transform(sample(1, size=(10, 10))["png"], random.Random(0))[..., 0] == 1).all()
+    with pytest.raises(Image.DecompressionBombError, match="12x10 image has 120 pixels, over the limit of 100"):
+        transform(sample(2, size=(12, 10))["png"], random.Random(0))
+    # Between 1x and 2x its own limit PIL only warns; the default limit refuses such an image at
+    # its header (this one has no pixel data, so a decode would fail differently).
+    with pytest.warns(Image.DecompressionBombWarning), pytest.raises(Image.DecompressionBombError, match="10000x"):
+        ImageTransform(size=(4, 4), channels=3, train=False)(header_only_png(10_000, 10_000), random.Random(0))
+
+
+def test_max_image_pixels_skips_and_counts_larger_images(tmp_path: Path) -> None:
+    shard = write_shard(tmp_path / "mixed.tar", [sample(i, size=(10, 10) if i % 2 else (12, 10)) for i in range(8)])
+    for num_workers in (0, 2):
+        dm = make(shard, num_workers=num_workers, max_image_pixels=100)
+        dm.setup("fit")
+        labels, skipped, _ = read_all(dm.train_dataloader())
+        assert sorted(labels) == [1, 3, 5, 7] and skipped == 4
+
+
+def _kill_this_process() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
+
+
+def test_a_worker_killed_while_decoding_names_its_shard_and_sample(shards: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    decode = ImageTransform.__call__
+
+    def dies_on_sample_13(self: ImageTransform, data: bytes, rng: random.Random) -> np.ndarray:
+        if Image.open(io.BytesIO(data)).getpixel((0, 0))[:2] == (13, 0):  # runs in the forked worker
+            _kill_this_process()
+        return decode(self, data, rng)
+
+    monkeypatch.setattr(ImageTransform, "__call__", dies_on_sample_13)
+    dm = make(shards, num_workers=2, shuffle_buffer=0)
+    dm.setup("fit")
+    named = r"reading shard \S*train-000004\.tar, decoding sample sample000013\b"
+    with pytest.raises(WorkerDiedError, match=named):
+        read_all(dm.train_dataloader())
+
+
+def test_a_worker_killed_while_the_main_process_trains_names_its_shard(shards: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch reports a dead worker from its SIGCHLD handler, wherever the main thread is: here
+    # in a long "training step" (the sleep), outside the loader.
+    open_url = stream.open_url
+
+    def dies_soon_after_opening_shard_4(url: str, **kw: object) -> object:
+        if url.endswith("train-000004.tar"):
+            threading.Timer(0.5, _kill_this_process).start()
+        return open_url(url, **kw)
+
+    monkeypatch.setattr(stream, "open_url", dies_soon_after_opening_shard_4)
+    dm = make(shards, num_workers=2, batch_size=2, shuffle_buffer=0, shard_shuffle=False)
+    dm.setup("fit")
+    with pytest.raises(WorkerDiedError, match=r"reading shard \S*train-000004\.tar"):
+        for _ in dm.train_dataloader():
+            time.sleep(10)
 
 
 def test_a_stream_with_nothing_readable_fails_instead_of_spinning(tmp_path: Path) -> None:

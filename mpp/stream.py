@@ -1,0 +1,295 @@
+"""One rank's stream of batches, as each DataLoader worker reads it: shards -> samples -> batches.
+
+A worker opens its shards in turn, groups tar members into samples, shuffles them in a
+buffer, decodes and augments each image and collates batches. A sample or shard that cannot
+be read is dropped and counted in the next batch's "skipped". While it works, a worker
+writes where it is (its shard, the sample it decodes) into shared memory, so that the main
+process can name them if the worker is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import random
+import tarfile
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import webdataset
+from PIL import Image
+from torch.utils.data import IterableDataset, get_worker_info
+
+from mpp.storage import open_url
+from mpp.tarstream import iter_samples
+from mpp.transforms import IMAGE_EXTENSIONS, ImageTransform
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+
+# What a broken sample or shard raises while being read or decoded (PIL uses several of these).
+_BAD_INPUT = (OSError, ValueError, SyntaxError, EOFError, IndexError, tarfile.TarError, zlib.error,
+              Image.DecompressionBombError)
+
+
+def resampled_share(urls: Sequence[str], *, rank: int, world_size: int, worker: int, num_workers: int) -> list[str]:
+    """The shards one worker of one rank draws from with replacement.
+
+    Ranks draw from disjoint shards, urls[rank::world_size], when there are at least as many
+    shards as ranks (else every rank draws from all); a rank's workers split its share the
+    same way when it has at least one shard per worker (else each draws from all of it).
+    """
+    share = list(urls[rank::world_size]) if len(urls) >= world_size else list(urls)
+    return share[worker::num_workers] if len(share) >= num_workers else share
+
+
+class ShardStream(IterableDataset):
+    """The batches of one rank's share of the shards; iterated inside each DataLoader worker.
+
+    ShardLoader sets `epoch`, `start_step` and `whereabouts` before every iter(); workers are
+    created anew for each epoch (no persistent workers), so they see the values set in the
+    main process. `epoch` orders the shards; (epoch, start_step) seed the draws, sample
+    shuffle and augmentation.
+    """
+
+    def __init__(self, *, urls: Sequence[str], rank: int, world_size: int, batch_size: int,
+                 transform: ImageTransform, shard_shuffle: bool, shuffle_buffer: int,
+                 resampled: bool, seed: int, allow_pipe: bool) -> None:
+        super().__init__()
+        self.urls, self.rank, self.world_size, self.batch_size = list(urls), rank, world_size, batch_size
+        self.transform, self.shard_shuffle, self.shuffle_buffer = transform, shard_shuffle, shuffle_buffer
+        self.resampled, self.seed, self.allow_pipe = resampled, seed, allow_pipe
+        self.epoch = self.start_step = 0
+        self.whereabouts: Whereabouts | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # Seeded by everything that should change the stream, so runs are reproducible.
+        rng = random.Random(f"{self.seed}/{self.epoch}/{self.start_step}/{self.rank}/{worker}")
+        skips = _Skips()
+        trail = _Trail(self.whereabouts, worker)
+        samples = _tar_samples(self._shard_order(rng, worker, num_workers), skips, self.allow_pipe, trail)
+        if self.shuffle_buffer > 1:
+            samples = webdataset.filters.shuffle(self.shuffle_buffer, initial=min(100, self.shuffle_buffer),
+                                                 rng=rng)(samples)
+        shape = (self.transform.channels, *self.transform.size)
+        return _batches(_decoded(samples, self.transform, rng, skips, trail), self.batch_size, skips, shape)
+
+    def _shard_order(self, rng: random.Random, worker: int, num_workers: int) -> Iterator[str]:
+        """Shard URLs for this rank and worker: an endless random draw, or this epoch's share."""
+        if self.resampled:
+            share = resampled_share(self.urls, rank=self.rank, world_size=self.world_size, worker=worker,
+                                    num_workers=num_workers)
+            while True:
+                yield rng.choice(share)
+        urls = list(self.urls)
+        if self.shard_shuffle:
+            # One permutation for all ranks and workers, so that their slices partition it; seeded by
+            # the epoch alone, so an epoch resumed at a later step rereads the same shards.
+            random.Random(f"{self.seed}/{self.epoch}").shuffle(urls)
+        yield from urls[self.rank :: self.world_size][worker::num_workers]
+
+
+class _Skips:
+    """Counts the samples one worker dropped; the first one per process is logged as a warning.
+
+    So many failures in a row that nothing is readable (every shard broken, a wrong format) is an
+    error instead: a resampled stream would otherwise spin forever without a batch.
+    """
+
+    warned = False
+    limit = 1000
+
+    def __init__(self) -> None:
+        self.count = self.streak = 0
+
+    def add(self, what: str, error: BaseException) -> None:
+        self.count += 1
+        self.streak += 1
+        if self.streak >= self.limit:
+            raise RuntimeError(f"{self.streak} samples or shards in a row were unreadable, the last "
+                               f"{what}: {type(error).__name__}: {error}")
+        if not _Skips.warned:
+            _Skips.warned = True
+            log.warning("skipped %s: %s: %s (further skips are counted in batch['skipped'] and logged at "
+                        "DEBUG level)", what, type(error).__name__, error)
+        else:
+            log.debug("skipped %s: %s: %s", what, type(error).__name__, error)
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
+
+
+def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: _Trail) -> Iterator[dict[str, Any]]:
+    """Shard URLs -> samples {"__key__", "__url__", extension: bytes}; a tar that breaks off counts one skip.
+
+    The break also drops the sample in hand (it may lack a member), so a sample is read only
+    when its members and the next one's first member (or the end-of-archive block) are whole.
+    """
+    for url in urls:
+        trail.reading(url)
+        stream = open_url(url, allow_pipe=allow_pipe)  # an unreachable shard is an error, not a skip
+        last = None
+        try:
+            for sample in iter_samples(stream):
+                last = sample["__key__"]
+                yield {**sample, "__url__": url}
+        except _BAD_INPUT as error:
+            skips.add(f"shard {url} after sample {last}" if last else f"shard {url}", error)
+        finally:
+            stream.close()
+
+
+def _decoded(samples: Iterator[dict[str, Any]], transform: ImageTransform, rng: random.Random,
+             skips: _Skips, trail: _Trail) -> Iterator[tuple[np.ndarray, int]]:
+    """Samples -> (image (H, W, C) uint8, label or -1); bad samples are counted and dropped."""
+    for sample in samples:
+        trail.decoding(sample["__key__"], sample["__url__"])
+        try:
+            extension = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
+            if extension is None:
+                members = sorted(k for k in sample if not k.startswith("__"))
+                raise ValueError(f"no image member (.png, .jpg, ...); it has {members}")
+            label = int(sample["cls"]) if "cls" in sample else -1
+            image = transform(sample[extension], rng)
+        except _BAD_INPUT as error:
+            skips.add(f"sample {sample['__key__']} of {sample['__url__']}", error)
+            continue
+        skips.streak = 0
+        yield image, label
+
+
+def _batches(examples: Iterator[tuple[np.ndarray, int]], batch_size: int, skips: _Skips,
+             shape: tuple[int, int, int]) -> Iterator[Batch]:
+    """Collate into batches; each is held back until the next fills, so skips after the last still count.
+
+    A worker with skips but no sample to batch yields a batch of no images, of (C, H, W) `shape`,
+    to carry the count; ShardLoader folds it into another batch, so no training step sees it.
+    """
+    held: Batch | None = None
+    images: list[np.ndarray] = []
+    labels: list[int] = []
+    for image, label in examples:
+        images.append(image)
+        labels.append(label)
+        if len(images) == batch_size:
+            if held is not None:
+                yield held
+            held = _collate(images, labels, skips.take())
+            images, labels = [], []
+    if images:
+        if held is not None:
+            yield held
+        held = _collate(images, labels, skips.take())
+    if held is None and skips.count:
+        held = _collate([], [], 0, shape)
+    if held is not None:
+        held["skipped"] += skips.take()
+        yield held
+
+
+def fold_skip_only_batches(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """The batches with images; the count of a batch of none (from a worker that had nothing good
+    to read) is added to another. Run on the DataLoader's output, in the main process; the last
+    batch is held back until the stream ends, as a batch of none can come after it."""
+    held: Batch | None = None
+    carried = 0
+    for batch in batches:
+        if len(batch["label"]) == 0:
+            carried += int(batch["skipped"])
+            continue
+        if held is not None:
+            yield held
+        batch["skipped"] += carried
+        held, carried = batch, 0
+    if held is not None:
+        held["skipped"] += carried
+        yield held
+    elif carried:
+        log.warning("skipped %d samples and had not one left to batch", carried)
+
+
+def _collate(pixels: list[np.ndarray], labels: list[int], skipped: int,
+             shape: tuple[int, int, int] | None = None) -> Batch:
+    """(H, W, C) arrays -> a batch; one strided copy per image (numpy's is twice as fast as torch.stack's).
+
+    `shape` (C, H, W) is needed only when there are no arrays to take it from.
+    """
+    channels, height, width = shape or (pixels[0].shape[2], *pixels[0].shape[:2])
+    images = np.empty((len(pixels), channels, height, width), dtype=np.uint8)
+    for slot, hwc in zip(images, pixels):
+        slot[...] = hwc.transpose(2, 0, 1)
+    return {"image": torch.from_numpy(images), "label": torch.tensor(labels, dtype=torch.int64),
+            "skipped": torch.tensor(skipped, dtype=torch.int64)}
+
+
+class Position(NamedTuple):
+    """Where one DataLoader worker was: pid 0 if it never wrote."""
+
+    worker: int
+    pid: int
+    shard: str
+    sample: str
+
+    def describe(self) -> str:
+        where = f"reading shard {self.shard}" if self.shard else "before it opened a shard"
+        doing = f", decoding sample {self.sample}" if self.sample else ""
+        return f"worker {self.worker} (pid {self.pid}) {where}{doing}"
+
+
+class Whereabouts:
+    """Each DataLoader worker's pid, the shard it reads and the sample it decodes, in shared memory.
+
+    The main process creates it before the workers start (forked workers inherit it, spawned
+    ones receive it as they start), so it can still be read after a worker is killed by a
+    signal (the OOM killer, a crash in a decoder). Each worker writes only its own slot.
+    """
+
+    SLOT = 4096  # bytes per worker: room for long signed URLs
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.memory = multiprocessing.RawArray(ctypes.c_char, workers * self.SLOT)
+
+    def write(self, worker: int, shard: str, sample: str) -> None:
+        # Cut by bytes so the three fields fit one slot; a character cut in half reads as U+FFFD.
+        fields = [str(os.getpid()).encode(), shard.encode("utf-8", "replace")[:2560],
+                  sample.encode("utf-8", "replace")[:1500]]
+        data = b"\0".join(fields) + b"\0"
+        start = worker * self.SLOT
+        self.memory[start : start + len(data)] = data
+
+    def read(self) -> list[Position]:
+        positions = []
+        for worker in range(self.workers):
+            slot = self.memory[worker * self.SLOT : (worker + 1) * self.SLOT]
+            pid, shard, sample = (slot.split(b"\0") + [b"", b""])[:3]
+            positions.append(Position(worker, int(pid) if pid.isdigit() else 0, shard.decode("utf-8", "replace"),
+                                      sample.decode("utf-8", "replace")))
+        return positions
+
+
+class _Trail:
+    """One worker's writer into Whereabouts (a no-op without workers: a death there ends the process)."""
+
+    def __init__(self, whereabouts: Whereabouts | None, worker: int) -> None:
+        self.whereabouts, self.worker = whereabouts, worker
+        self.shard = self.sample = ""
+
+    def reading(self, url: str) -> None:
+        self.shard = url
+        if self.whereabouts is not None:
+            self.whereabouts.write(self.worker, self.shard, self.sample)
+
+    def decoding(self, key: str, url: str) -> None:
+        self.sample = key if url == self.shard else f"{key} of shard {url}"
+        if self.whereabouts is not None:
+            self.whereabouts.write(self.worker, self.shard, self.sample)
