@@ -8,13 +8,20 @@ imports it, DataLoader workers included, reads those URLs the same way.
   role), AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) for non-AWS endpoints, read by botocore.
 - gs:// goes through gcsfs: Google application-default credentials, anonymous as a last
   resort, and STORAGE_EMULATOR_HOST for an emulator.
-- http(s):// is read with urllib, retried with exponential backoff and resumed with a Range
-  request where a connection breaks off (MPP_HTTP_RETRIES, MPP_HTTP_BACKOFF seconds).
+- http(s):// is read with urllib.
 - pipe: runs a shell command, so it is refused unless the caller passes allow_pipe=True.
+
+Remote reads outlast an endpoint that drops connections or answers 5xx for a while: a failed
+open or read is tried again after a pause that doubles each time (MPP_READ_RETRIES, default 5;
+MPP_READ_BACKOFF, default 1 s), reopening at the byte reached, and then fails with a
+ShardOpenError that names the URL. botocore and gcsfs retry such faults first on their own;
+this layer catches what their budgets leave, e.g. a range GET cut short after s3fs's fifth try.
+Error messages pass through `mpp.secrets.redact`, so a presigned URL's signature never shows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import http.client
 import io
@@ -22,7 +29,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 # gcsfs reads this when imported: its default gRPC bucket-type lookup waits about a minute
@@ -33,17 +40,25 @@ import braceexpand
 import webdataset
 from webdataset.gopen import gopen_schemes
 
+from mpp.secrets import redact
+
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
 BLOCK_SIZE = 8 << 20  # bytes per bucket request: tar shards are read front to back
+BUFFER_SIZE = 1 << 20  # bytes per read from a remote stream
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# Errors that no retry mends: a missing object, no access, a malformed URL or name.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, ValueError)
 _HINTS = {
-    "s3": "check the bucket and key, the AWS credentials and, for a non-AWS endpoint, AWS_ENDPOINT_URL",
-    "gs": "check the bucket and object, the Google credentials and, for an emulator, STORAGE_EMULATOR_HOST",
+    "s3": "; check the bucket and key, the AWS credentials and, for a non-AWS endpoint, AWS_ENDPOINT_URL",
+    "gs": "; check the bucket and object, the Google credentials and, for an emulator, STORAGE_EMULATOR_HOST",
 }
 
 
 class ShardOpenError(OSError):
-    """A shard URL could not be opened or read to its end."""
+    """A shard URL could not be opened or read to its end; credentials in the message are masked."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
 def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[str]:
@@ -108,15 +123,30 @@ def open_url(url: str, *, allow_pipe: bool = False) -> BinaryIO:
 
 
 def open_bucket(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> BinaryIO:
-    """gopen handler for s3:// and gs:// through fsspec."""
+    """gopen handler for s3:// and gs:// through fsspec; reads are retried and resumed."""
     scheme = url.split("://", 1)[0]
-    try:
-        fs = _filesystem(scheme)
-        if mode.startswith("r"):
-            return fs.open(url, "rb", block_size=BLOCK_SIZE, cache_type="readahead")
-        return fs.open(url, mode)
-    except Exception as exc:
-        raise ShardOpenError(f"cannot open {url}: {type(exc).__name__}: {exc}; {_HINTS[scheme]}") from exc
+    if not mode.startswith("r"):
+        try:
+            return _filesystem(scheme).open(url, mode)
+        except Exception as exc:
+            raise ShardOpenError(f"cannot open {url}: {type(exc).__name__}: {exc}{_HINTS[scheme]}") from exc
+
+    def open_at(offset: int) -> tuple[BinaryIO, int]:
+        file = _filesystem(scheme).open(url, "rb", block_size=BLOCK_SIZE, cache_type="readahead")
+        file.seek(offset)
+        return file, file.size
+
+    stream = _ResumingStream(url, open_at, permanent=_permanent_errors(scheme), hint=_HINTS[scheme])
+    return io.BufferedReader(stream, buffer_size=BUFFER_SIZE)
+
+
+def _permanent_errors(scheme: str) -> tuple[type[BaseException], ...]:
+    """What a bucket read raises that no retry mends."""
+    if scheme == "s3":
+        from botocore.exceptions import NoCredentialsError
+
+        return (*_PERMANENT, NoCredentialsError)
+    return _PERMANENT
 
 
 _filesystems: dict[tuple[str, ...], Any] = {}
@@ -136,85 +166,123 @@ def _filesystem(scheme: str) -> Any:
 
 
 def open_http(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> BinaryIO:
-    """gopen handler for http(s)://: a buffered reader that retries and resumes."""
+    """gopen handler for http(s)://: GET, retried and resumed with Range requests."""
     if not mode.startswith("r"):
-        raise ValueError(f"cannot write to {url}: http(s) shards are read-only")
-    retries = int(os.environ.get("MPP_HTTP_RETRIES", "5"))
-    backoff = float(os.environ.get("MPP_HTTP_BACKOFF", "1.0"))
-    return io.BufferedReader(_HttpStream(url, retries=retries, backoff=backoff), buffer_size=1 << 20)
+        raise ValueError(f"cannot write to {redact(url)}: http(s) shards are read-only")
+
+    def open_at(offset: int) -> tuple[BinaryIO, int | None]:
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        try:
+            response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60.0)
+        except urllib.error.HTTPError as exc:
+            if exc.code in _RETRY_STATUS:
+                raise
+            raise ShardOpenError(f"cannot open {url}: HTTP {exc.code} {exc.reason}") from exc
+        length = response.headers.get("Content-Length")
+        if offset and response.status != 206:  # the server ignored Range: skip what was read
+            _discard(response, offset)
+            offset = 0
+        return response, offset + int(length) if length is not None else None
+
+    return io.BufferedReader(_ResumingStream(url, open_at), buffer_size=BUFFER_SIZE)
 
 
-class _HttpStream(io.RawIOBase):
-    """The body of one HTTP(S) GET; where the connection drops early it reconnects from the current byte."""
-
-    def __init__(self, url: str, *, retries: int, backoff: float, timeout: float = 60.0) -> None:
-        super().__init__()
-        self.url, self._retries, self._backoff, self._timeout = url, retries, backoff, timeout
-        self._pos = 0
-        self._size: int | None = None
-        self._response: http.client.HTTPResponse | None = None
-        self._response = self._connect()
-
-    def readable(self) -> bool:
-        return True
-
-    def _connect(self) -> http.client.HTTPResponse:
-        """GET from the current position, retrying transient failures with exponential backoff."""
-        error: BaseException | None = None
-        for attempt in range(self._retries + 1):
-            if attempt:
-                time.sleep(self._backoff * 2 ** (attempt - 1))
-            headers = {"Range": f"bytes={self._pos}-"} if self._pos else {}
-            try:
-                response = urllib.request.urlopen(urllib.request.Request(self.url, headers=headers), timeout=self._timeout)
-            except urllib.error.HTTPError as exc:
-                if exc.code not in _RETRY_STATUS:
-                    raise ShardOpenError(f"cannot open {self.url}: HTTP {exc.code} {exc.reason}") from exc
-                error = exc
-                continue
-            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, DNS
-                error = exc
-                continue
-            if self._size is None:
-                length = response.headers.get("Content-Length")
-                self._size = int(length) if length is not None else None
-            if self._pos and response.status != 206:
-                _discard(response, self._pos, self.url)  # the server ignored Range: skip what was read
-            return response
-        raise ShardOpenError(f"cannot open {self.url} after {self._retries + 1} attempts: {error}") from error
-
-    def readinto(self, buffer: Any) -> int:
-        for _ in range(self._retries + 1):
-            try:
-                n = self._response.readinto(buffer) if self._response is not None else -1
-            except (OSError, http.client.HTTPException):
-                n = -1
-            if n > 0:
-                self._pos += n
-                return n
-            if n == 0 and (self._size is None or self._pos >= self._size):
-                return 0
-            self._close_response()
-            self._response = self._connect()
-        raise ShardOpenError(f"reading {self.url} broke off at byte {self._pos} of {self._size}; retries exhausted")
-
-    def _close_response(self) -> None:
-        if self._response is not None:
-            self._response.close()
-            self._response = None
-
-    def close(self) -> None:
-        self._close_response()
-        super().close()
-
-
-def _discard(response: http.client.HTTPResponse, count: int, url: str) -> None:
+def _discard(response: http.client.HTTPResponse, count: int) -> None:
     left = count
     while left > 0:
         chunk = response.read(min(left, 1 << 20))
         if not chunk:
-            raise ShardOpenError(f"{url} came back shorter than the {count} bytes already read")
+            raise ConnectionError(f"the response ended before the {count} bytes already read")
         left -= len(chunk)
+
+
+def retry_settings() -> tuple[int, float]:
+    """(retries, first pause in seconds) for remote reads: MPP_READ_RETRIES and MPP_READ_BACKOFF.
+
+    MPP_HTTP_RETRIES and MPP_HTTP_BACKOFF, the names from when only http(s) was retried, still work.
+    """
+    return _setting("RETRIES", int, 5), _setting("BACKOFF", float, 1.0)
+
+
+def _setting(name: str, kind: type, default: float) -> Any:
+    for key in (f"MPP_READ_{name}", f"MPP_HTTP_{name}"):
+        if key in os.environ:
+            try:
+                value = kind(os.environ[key])
+            except ValueError:
+                value = -1
+            if value < 0:
+                what = "a whole number" if kind is int else "a number of seconds"
+                raise ValueError(f"{key}={os.environ[key]!r}: expected {what}, 0 or more")
+            return value
+    return default
+
+
+class _ResumingStream(io.RawIOBase):
+    """One remote object read front to back. A failed open or read is tried again after a pause
+    that doubles each time, reopening at the current byte; a fault that outlasts the retries, or
+    one of the `permanent` errors, raises ShardOpenError naming the URL."""
+
+    def __init__(self, url: str, open_at: Callable[[int], tuple[BinaryIO, int | None]], *,
+                 permanent: tuple[type[BaseException], ...] = _PERMANENT, hint: str = "") -> None:
+        super().__init__()
+        self.url, self._open_at, self._permanent, self._hint = url, open_at, permanent, hint
+        self._retries, self._backoff = retry_settings()
+        self._pos = 0
+        self._size: int | None = None
+        self._stream: BinaryIO | None = None
+        self._retrying(self._reopen, "open")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._retrying(lambda: self._read_once(buffer), "read")
+
+    def _reopen(self) -> None:
+        self._close_stream()
+        self._stream, self._size = self._open_at(self._pos)
+
+    def _read_once(self, buffer: Any) -> int:
+        if self._stream is None:
+            self._reopen()
+        n = self._stream.readinto(buffer) or 0
+        if n == 0 and len(buffer) and self._size is not None and self._pos < self._size:
+            raise ConnectionError("the connection closed early")
+        self._pos += n
+        return n
+
+    def _retrying(self, step: Callable[[], Any], what: str) -> Any:
+        """`step()`, tried up to 1 + retries times with doubling pauses; the stream is reopened after a failure."""
+        error: BaseException | None = None
+        for attempt in range(self._retries + 1):
+            if attempt:
+                time.sleep(self._backoff * 2 ** (attempt - 1))
+            try:
+                return step()
+            except ShardOpenError:
+                raise
+            except self._permanent as exc:
+                raise ShardOpenError(f"cannot {what} {self.url}: {type(exc).__name__}: {exc}{self._hint}") from exc
+            except Exception as exc:  # noqa: BLE001 - reset, refused, timed out, 5xx, cut short: worth another try
+                error = exc
+                self._close_stream()
+        where = f" at byte {self._pos} of {self._size if self._size is not None else '?'}" if self._pos else ""
+        attempts = f"{self._retries + 1} attempt" + ("s" if self._retries else "")
+        raise ShardOpenError(
+            f"cannot {what} {self.url}{where}: {type(error).__name__}: {error}; gave up after {attempts} "
+            f"(MPP_READ_RETRIES={self._retries}, MPP_READ_BACKOFF={self._backoff} s, doubling){self._hint}"
+        ) from error
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            with contextlib.suppress(Exception):  # a broken connection may fail to close; it is dropped either way
+                stream.close()
+
+    def close(self) -> None:
+        self._close_stream()
+        super().close()
 
 
 def register_openers() -> None:

@@ -1,21 +1,26 @@
-"""Shard URLs: expansion, the pipe: policy, and streaming from real HTTP, S3 and GCS servers on 127.0.0.1."""
+"""Shard URLs: expansion, the pipe: policy, and streaming from real HTTP, S3 and GCS servers on 127.0.0.1,
+directly and through a proxy that answers 5xx, drops connections or cuts bodies short on purpose."""
 
 from __future__ import annotations
 
+import http.client
 import io
 import os
 import re
 import socket
 import tarfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from shardkit import read_all, write_shards
 
+from mpp import storage
 from mpp.data import ShardDataModule
 from mpp.storage import ShardOpenError, check_pipe_allowed, expand_urls, open_url
 from mpp.tarstream import iter_files
@@ -119,22 +124,18 @@ def test_tar_reader_reads_ustar_prefixes_and_refuses_damage() -> None:
 
 
 class _ShardHandler(BaseHTTPRequestHandler):
-    """Serves files with Range support; the first GET of a path in `server.flaky` breaks off halfway."""
+    """Serves files, with Range support."""
 
     def do_GET(self) -> None:
         path = self.server.root / self.path.lstrip("/")
         if not path.is_file():
             self.send_error(404)
             return
-        start = int(self.headers["Range"][len("bytes="):].rstrip("-")) if "Range" in self.headers else 0
-        self.server.ranges.append(start)
+        start = int(self.headers["Range"][len("bytes="):].split("-")[0]) if "Range" in self.headers else 0
         body = path.read_bytes()[start:]
         self.send_response(206 if start else 200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if self.path in self.server.flaky:
-            self.server.flaky.discard(self.path)
-            body = body[: len(body) // 2]
         self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
@@ -144,7 +145,7 @@ class _ShardHandler(BaseHTTPRequestHandler):
 @pytest.fixture(scope="session")
 def http_server(shard_dir: Path) -> Iterator[ThreadingHTTPServer]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _ShardHandler)
-    server.root, server.flaky, server.ranges = shard_dir, set(), []
+    server.root = shard_dir
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -153,9 +154,9 @@ def http_server(shard_dir: Path) -> Iterator[ThreadingHTTPServer]:
 
 
 @pytest.fixture
-def quick_http_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MPP_HTTP_RETRIES", "2")
-    monkeypatch.setenv("MPP_HTTP_BACKOFF", "0.01")
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPP_READ_RETRIES", "2")
+    monkeypatch.setenv("MPP_READ_BACKOFF", "0.01")
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -165,17 +166,7 @@ def test_http_streams_the_same_samples_as_disk(http_server: ThreadingHTTPServer,
     _same_as_disk(f"http://{host}:{port}/{PATTERN}", shard_dir, num_workers)
 
 
-def test_http_resumes_a_broken_download(http_server: ThreadingHTTPServer, shard_dir: Path,
-                                        quick_http_retries: None) -> None:
-    host, port = http_server.server_address
-    http_server.flaky.add(f"/{NAMES[1]}")
-    http_server.ranges.clear()
-    with open_url(f"http://{host}:{port}/{NAMES[1]}") as stream:
-        assert stream.read() == (shard_dir / NAMES[1]).read_bytes()
-    assert len(http_server.ranges) == 2 and http_server.ranges[1] > 0
-
-
-def test_http_errors_name_the_url(http_server: ThreadingHTTPServer, quick_http_retries: None) -> None:
+def test_http_errors_name_the_url(http_server: ThreadingHTTPServer, quick_retries: None) -> None:
     host, port = http_server.server_address
     missing = f"http://{host}:{port}/missing-000000.tar"
     with pytest.raises(ShardOpenError, match=re.escape(missing) + ".*404"):
@@ -260,3 +251,251 @@ def test_gcs_missing_object_names_the_url(gcs_env: None) -> None:
     url = f"gs://{BUCKET}/data/missing-000000.tar"
     with pytest.raises(ShardOpenError, match=re.escape(url)):
         open_url(url)
+
+
+# Endpoints that misbehave on purpose: a proxy in front of the shard server, moto or the GCS emulator.
+
+class _FlakyProxy(ThreadingHTTPServer):
+    """Forwards requests to `upstream`; once armed, the next requests after `after` good ones get a
+    fault each: an HTTP status, "drop" (the connection closes unanswered) or "cut" (the body stops
+    halfway). With `ranged`, only requests with a Range header (bucket reads) count."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.upstream = upstream.split("://", 1)[1]
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.lock = threading.Lock()
+        self.arm([])
+
+    def arm(self, faults: list[int | str], *, after: int = 0, ranged: bool = False) -> None:
+        with self.lock:
+            self.faults, self.after, self.ranged = list(faults), after, ranged
+            self.seen: list[tuple[float, str | None, int | str | None]] = []  # (time, Range, fault) per request
+
+    def fault_for(self, headers: Any) -> int | str | None:
+        with self.lock:
+            if self.ranged and "Range" not in headers:
+                return None
+            fault = self.faults.pop(0) if self.faults and len(self.seen) >= self.after else None
+            self.seen.append((time.monotonic(), headers.get("Range"), fault))
+            return fault
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # the client hung up on a dropped or cut response: that is the point
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        fault = self.server.fault_for(self.headers)
+        if fault == "drop":
+            self.close_connection = True
+            return
+        if isinstance(fault, int):
+            self.send_response(fault)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        upstream = http.client.HTTPConnection(self.server.upstream, timeout=10)
+        upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+        response = upstream.getresponse()
+        data = response.read()
+        upstream.close()
+        self.send_response(response.status)
+        for name, value in response.getheaders():
+            if name.lower() not in ("connection", "transfer-encoding", "content-length"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", response.getheader("Content-Length", str(len(data))))
+        self.end_headers()
+        if fault == "cut":
+            self.close_connection = True
+            data = data[: len(data) // 2]
+        self.wfile.write(data)
+
+    do_GET = do_HEAD = do_PUT = do_POST = _forward
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def flaky() -> Iterator[Callable[[str], _FlakyProxy]]:
+    """Starts a _FlakyProxy in front of an endpoint URL."""
+    proxies: list[_FlakyProxy] = []
+
+    def start(upstream: str) -> _FlakyProxy:
+        proxies.append(_FlakyProxy(upstream))
+        threading.Thread(target=proxies[-1].serve_forever, args=(0.05,), daemon=True).start()
+        return proxies[-1]
+
+    yield start
+    for proxy in proxies:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def _http_url(server: ThreadingHTTPServer) -> str:
+    host, port = server.server_address
+    return f"http://{host}:{port}"
+
+
+def _fails_without_retries(proxy: _FlakyProxy, url: str, faults: list[int | str], monkeypatch: pytest.MonkeyPatch,
+                           *, at: str = "", **arm: Any) -> None:
+    """With MPP_READ_RETRIES=0 the same faults end the read, with an error naming the URL (and `at`, a regex)."""
+    monkeypatch.setenv("MPP_READ_RETRIES", "0")
+    proxy.arm(faults, **arm)
+    with pytest.raises(ShardOpenError, match=re.escape(url) + at + ".*after 1 attempt "), open_url(url) as stream:
+        stream.read()
+
+
+def _starts(proxy: _FlakyProxy) -> list[int]:
+    """The first byte of each range GET the proxy saw."""
+    return [int(r[len("bytes="):].split("-")[0]) for _, r, _ in proxy.seen]
+
+
+@pytest.mark.parametrize("status", [503, 500, 429])
+def test_http_retries_a_failing_server_with_doubling_pauses(http_server: ThreadingHTTPServer, flaky: Callable,
+                                                            shard_dir: Path, status: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPP_READ_RETRIES", "3")
+    monkeypatch.setenv("MPP_READ_BACKOFF", "0.05")
+    proxy = flaky(_http_url(http_server))
+    proxy.arm([status, status])
+    with open_url(f"{proxy.url}/{NAMES[0]}") as stream:
+        assert stream.read() == (shard_dir / NAMES[0]).read_bytes()
+    times = [t for t, _, _ in proxy.seen]
+    assert [fault for _, _, fault in proxy.seen] == [status, status, None]
+    assert times[1] - times[0] >= 0.05 and times[2] - times[1] >= 0.1
+    _fails_without_retries(proxy, f"{proxy.url}/{NAMES[0]}", [status], monkeypatch)
+
+
+@pytest.mark.parametrize("fault", ["drop", "cut"])
+def test_http_reconnects_after_dropped_connections(http_server: ThreadingHTTPServer, flaky: Callable,
+                                                   shard_dir: Path, fault: str, quick_retries: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = flaky(_http_url(http_server))
+    proxy.arm([fault, fault])
+    with open_url(f"{proxy.url}/{NAMES[1]}") as stream:
+        assert stream.read() == (shard_dir / NAMES[1]).read_bytes()
+    ranges = [r for _, r, _ in proxy.seen]
+    if fault == "drop":
+        assert ranges == [None, None, None]
+    else:  # each cut response is resumed from the byte it broke off at
+        size = len((shard_dir / NAMES[1]).read_bytes())
+        assert ranges == [None, f"bytes={size // 2}-", f"bytes={size // 2 + (size - size // 2) // 2}-"]
+    _fails_without_retries(proxy, f"{proxy.url}/{NAMES[1]}", [fault], monkeypatch)
+
+
+def test_retry_settings_take_the_old_http_names_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MPP_READ_RETRIES", "MPP_READ_BACKOFF", "MPP_HTTP_RETRIES", "MPP_HTTP_BACKOFF"):
+        monkeypatch.delenv(name, raising=False)
+    assert storage.retry_settings() == (5, 1.0)
+    monkeypatch.setenv("MPP_HTTP_RETRIES", "3")
+    monkeypatch.setenv("MPP_HTTP_BACKOFF", "0.5")
+    assert storage.retry_settings() == (3, 0.5)
+    monkeypatch.setenv("MPP_READ_RETRIES", "2")
+    assert storage.retry_settings() == (2, 0.5)
+    monkeypatch.setenv("MPP_READ_RETRIES", "-1")
+    with pytest.raises(ValueError, match="MPP_READ_RETRIES='-1': expected a whole number"):
+        storage.retry_settings()
+
+
+@pytest.mark.parametrize("fault", [503, "drop"])
+def test_http_gives_up_naming_the_url_and_the_attempts(http_server: ThreadingHTTPServer, flaky: Callable,
+                                                      fault: int | str, quick_retries: None) -> None:
+    proxy = flaky(_http_url(http_server))
+    url = f"{proxy.url}/{NAMES[0]}"
+    proxy.arm([fault] * 10)
+    with pytest.raises(ShardOpenError, match=re.escape(url) + ".*after 3 attempts"):
+        open_url(url)
+    assert len(proxy.seen) == 3
+
+
+def test_errors_mask_a_presigned_signature(http_server: ThreadingHTTPServer, flaky: Callable,
+                                          quick_retries: None) -> None:
+    query = "?X-Amz-Credential=AKIAEXAMPLE%2F20260101&X-Amz-Signature=0123456789abcdef"
+    masked = "?X-Amz-Credential=***&X-Amz-Signature=***"
+    proxy = flaky(_http_url(http_server))
+    proxy.arm([503] * 3)
+    for url in (f"{_http_url(http_server)}/missing.tar{query}", f"{proxy.url}/{NAMES[0]}{query}"):
+        with pytest.raises(ShardOpenError) as caught:
+            open_url(url).read()
+        assert url.replace(query, masked) in str(caught.value)
+        assert "AKIAEXAMPLE" not in str(caught.value) and "0123456789abcdef" not in str(caught.value)
+
+
+@pytest.fixture
+def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bucket reads of 4 KiB, so that one shard takes several range GETs."""
+    monkeypatch.setattr(storage, "BLOCK_SIZE", 4096)
+    monkeypatch.setattr(storage, "BUFFER_SIZE", 4096)
+
+
+def test_s3_library_retries_ride_out_a_short_outage(s3_env: None, s3_endpoint: str, flaky: Callable,
+                                                    shard_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # botocore retries the 503 (up to 5 attempts, random pauses up to 1, 2, 4, 8 s) and s3fs the cut
+    # body (5 attempts): this layer is not needed for these.
+    monkeypatch.setenv("MPP_READ_RETRIES", "0")
+    proxy = flaky(s3_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    proxy.arm([503, "cut"], ranged=True)
+    _same_as_disk(f"s3://{BUCKET}/data/{PATTERN}", shard_dir, num_workers=0)
+    assert [fault for _, _, fault in proxy.seen][:3] == [503, "cut", None]
+
+
+@pytest.fixture
+def s3_without_library_retries(s3_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore and s3fs give up at the first fault, as they do once their own budgets are spent."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+
+
+@pytest.mark.parametrize("fault", [503, "drop", "cut"])
+def test_s3_read_resumes_where_a_range_get_failed(s3_without_library_retries: None, s3_endpoint: str,
+                                                  flaky: Callable, shard_dir: Path, small_reads: None,
+                                                  quick_retries: None, fault: int | str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = flaky(s3_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    url = f"s3://{BUCKET}/data/{NAMES[2]}"
+    proxy.arm([fault, fault], after=1, ranged=True)
+    with open_url(url) as stream:
+        assert stream.read() == (shard_dir / NAMES[2]).read_bytes()
+    assert [fault for _, _, fault in proxy.seen][:4] == [None, fault, fault, None]
+    assert _starts(proxy)[0] == 0 and min(_starts(proxy)[1:]) > 0  # resumed, not read again from the start
+    # Two faults: aiohttp itself tries once more where a kept-alive connection drops.
+    _fails_without_retries(proxy, url, [fault, fault], monkeypatch, at=" at byte [1-9][0-9]* of ", after=1, ranged=True)
+
+
+@pytest.fixture
+def gcsfs_quick_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gcsfs pauses 1, 2, 4, 8, 16 s (plus up to 1 s) between its 6 attempts; the test cannot wait that long."""
+    import asyncio
+    import types
+
+    import gcsfs.retry
+
+    async def no_pause(seconds: float) -> None:
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=no_pause))
+
+
+def test_gcs_read_resumes_after_gcsfs_gives_up(gcs_env: None, gcs_endpoint: str, flaky: Callable,
+                                               shard_dir: Path, small_reads: None, gcsfs_quick_pauses: None,
+                                               quick_retries: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = flaky(gcs_endpoint)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    url = f"gs://{BUCKET}/data/{NAMES[2]}"
+    proxy.arm([503] * 7, after=1, ranged=True)  # one more than gcsfs's 6 attempts
+    with open_url(url) as stream:
+        assert stream.read() == (shard_dir / NAMES[2]).read_bytes()
+    assert [fault for _, _, fault in proxy.seen].count(503) == 7
+    assert _starts(proxy)[0] == 0 and min(_starts(proxy)[1:]) > 0
+    _fails_without_retries(proxy, url, [503] * 6, monkeypatch, at=" at byte [1-9][0-9]* of ", after=1, ranged=True)
