@@ -17,6 +17,10 @@ import torch
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from mpp.secrets import redact_tree
+
+_HYPERPARAMETERS = ("hyper_parameters", "datamodule_hyper_parameters")
+
 
 def partial_path(path: Path) -> Path:
     """Where the bytes of `path` are written before they replace it (hidden, not `*.ckpt`)."""
@@ -47,10 +51,12 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO with atomic local writes; remote URLs (s3://, gs://) are written
-    as Lightning writes them, as one object upload that is whole or absent."""
+    as Lightning writes them, as one object upload that is whole or absent. The hyperparameters
+    a checkpoint carries (shard URLs among them) are stored with credentials masked."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
                         storage_options: Any | None = None) -> None:
+        checkpoint = {key: redact_tree(value) if key in _HYPERPARAMETERS else value for key, value in checkpoint.items()}
         protocol = get_filesystem(path).protocol
         local = "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
         if storage_options is not None or not local:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import netrc
 import os
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -24,6 +25,7 @@ from pytorch_lightning.plugins.io import CheckpointIO
 from mpp.checkpointing import AtomicCheckpointIO
 from mpp.data import ShardDataModule
 from mpp.optim import global_batch_size
+from mpp.secrets import RedactingFilter, redact, redact_tree
 
 log = logging.getLogger("mpp")
 
@@ -40,6 +42,14 @@ def wandb_has_credentials() -> bool:
         return False
 
 
+def keep_arguments_out_of_wandb(argv: list[str]) -> None:
+    """W&B records the command line with a run's metadata; where it holds a credential (a signed
+    shard URL, a password), leave the metadata out (its one switch, WANDB_X_DISABLE_META)."""
+    if any(redact(arg) != arg for arg in argv):
+        os.environ.setdefault("WANDB_X_DISABLE_META", "true")
+        log.info("mpp: the command line holds credentials: W&B records no system metadata for this run")
+
+
 def choose_wandb_mode() -> str:
     """Run W&B offline unless the user chose a mode or has credentials; returns the mode."""
     if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
@@ -48,7 +58,11 @@ def choose_wandb_mode() -> str:
 
 
 class LoggedConfig(SaveConfigCallback):
-    """Saves the resolved config next to the run and hands it to the loggers (W&B's config)."""
+    """Saves the resolved config next to the run and hands it to the loggers (W&B's config),
+    with credentials in URLs and secret environment values masked (mpp.secrets)."""
+
+    def __init__(self, parser: Any, config: Any, **kwargs: Any) -> None:
+        super().__init__(parser, redact_tree(config), **kwargs)
 
     def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         config = self.parser.dump(self.config, skip_none=False, format="json")
@@ -60,7 +74,11 @@ class MPPCLI(LightningCLI):
     """LightningCLI that says what it runs before fitting and where the results are after."""
 
     def before_instantiate_classes(self) -> None:
-        place_run_outputs(self.config.get(self.subcommand, self.config))
+        config = self.config.get(self.subcommand, self.config)
+        place_run_outputs(config)
+        if config.trainer.enable_progress_bar is False:  # `--trainer.enable_progress_bar false` wins over the config's bar
+            config.trainer.callbacks = [c for c in config.trainer.callbacks or []
+                                        if not getattr(c, "class_path", "").endswith("ProgressBar")]
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """The configured trainer, writing checkpoints atomically unless the config names a CheckpointIO."""
@@ -71,10 +89,10 @@ class MPPCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
-        self.trainer.print(run_summary(self.trainer, self.model, self.datamodule))
+        self.trainer.print(redact(run_summary(self.trainer, self.model, self.datamodule)))
 
     def after_fit(self) -> None:
-        self.trainer.print(results_summary(self.trainer))
+        self.trainer.print(redact(results_summary(self.trainer)))
 
 
 def place_run_outputs(config: Any) -> None:
@@ -151,9 +169,19 @@ def results_summary(trainer: pl.Trainer) -> str:
     return "\n".join(lines)
 
 
+def redact_logs() -> None:
+    """Mask credentials in every log line of this process and its DataLoader workers."""
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in logging.root.manager.loggerDict)]
+    for handler in {handler for logger in loggers for handler in getattr(logger, "handlers", [])}:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the `mpp` console script."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    redact_logs()
+    keep_arguments_out_of_wandb([*sys.argv, *(args or [])])
     choose_wandb_mode()
     MPPCLI(
         pl.LightningModule,

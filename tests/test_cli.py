@@ -159,3 +159,38 @@ def test_fit_checkpoints_resumes_and_logs_to_wandb(tmp_path):
     assert (tmp_path / "pictures" / "step_0000002.png").is_file()
     recorded = wandb_config(first_run)
     assert "config" in recorded and "MaskedPatchPretraining" in str(recorded["config"])
+
+
+def test_credentials_reach_no_saved_config_log_checkpoint_or_wandb_record(tmp_path):
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(ROOT / "shards" / "fashion-mnist")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    secrets = {"signature": "sig0123456789abcdef", "WANDB_API_KEY": "wandbkey0123456789abcdef0123456789abcdef",
+               "AWS_SECRET_ACCESS_KEY": "awssecret0123456789"}
+    signed = f"http://127.0.0.1:{server.server_address[1]}/train-{{000000..000001}}.tar?X-Amz-Signature={secrets['signature']}"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "WANDB_API_KEY": secrets["WANDB_API_KEY"], "AWS_SECRET_ACCESS_KEY": secrets["AWS_SECRET_ACCESS_KEY"]}
+    command = [sys.executable, "-m", "mpp.cli", "fit", "--config", str(DEMO), *QUICK, "--trainer.max_steps", "2",
+               "--data.train", signed, "--data.val", signed, "--trainer.default_root_dir", str(tmp_path)]
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "X-Amz-Signature=***" in out, "the run summary should name the (masked) shards"
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".ckpt" for p in files) and any(p.suffix == ".wandb" for p in files)
+    assert any(b"X-Amz-Signature=***" in p.read_bytes() for p in files if p.name == "config.yaml")
+    for name, secret in secrets.items():
+        assert secret not in out, f"{name} in the output"
+        leaks = [str(p.relative_to(tmp_path)) for p in files if secret.encode() in p.read_bytes()]
+        assert not leaks, f"{name} in {leaks}"

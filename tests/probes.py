@@ -1,0 +1,77 @@
+"""A callback that `mpp fit` subprocesses load (PYTHONPATH=tests) to report what each rank did."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+
+def digest(tree: Any) -> str:
+    """A hash of every tensor and number in a nested structure, in key order."""
+    sha = hashlib.sha256()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, torch.Tensor):
+            sha.update(node.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(node, dict):
+            for key in sorted(node, key=str):
+                sha.update(str(key).encode())
+                walk(node[key])
+        elif isinstance(node, (list, tuple)):
+            for item in node:
+                walk(item)
+        else:
+            sha.update(repr(node).encode())
+
+    walk(tree)
+    return sha.hexdigest()
+
+
+class RunProbe(pl.Callback):
+    """Writes `<out>/<tag>-rank<r>.jsonl`: one record when training starts, one per step, one at the end.
+
+    Args:
+        out: folder of the records.
+        tag: names this run's records.
+        kill_at_step: SIGKILL this process when the step with this global step begins.
+    """
+
+    def __init__(self, out: str, tag: str, kill_at_step: int | None = None) -> None:
+        self.out, self.tag, self.kill_at_step = Path(out), tag, kill_at_step
+
+    def write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / f"{self.tag}-rank{trainer.global_rank}.jsonl", "a") as file:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write(trainer, {
+            "event": "start", "world_size": trainer.world_size, "global_step": trainer.global_step,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()["last_epoch"],
+            "optimizer": digest(trainer.optimizers[0].state_dict()["state"]),
+            "weights": digest(pl_module.state_dict()),
+        })
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == self.kill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.write(trainer, {"event": "step", "global_step": trainer.global_step, "labels": batch["label"].tolist(),
+                             "lr": trainer.optimizers[0].param_groups[0]["lr"]})
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write(trainer, {"event": "end", "global_step": trainer.global_step, "weights": digest(pl_module.state_dict())})
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
