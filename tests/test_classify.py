@@ -4,6 +4,7 @@ positions to a new image size, trains and reports per-class accuracy, and runs f
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mpp import ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViTConfig
+from mpp.classify import load_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ViTConfig(image_size=28, patch_size=4, channels=1, dim=32, depth=2, heads=2, mlp_dim=64)
@@ -212,3 +214,22 @@ def test_demo_configs_fit_from_the_command_line(tmp_path, arm):
                                 timeout=600)
         assert tested.returncode == 0, tested.stderr[-3000:]
         assert "test/accuracy/Ankle boot" in tested.stdout and "test/accuracy/T-shirt/top" in tested.stdout
+
+
+class _RunsCode:
+    """Unpickling this object would create the marker file: what a hostile checkpoint could do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unrun(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "hostile.ckpt"
+    torch.save({"encoder_config": {}, "state_dict": {}, "payload": _RunsCode(marker)}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_encoder(str(path))
+    assert not marker.exists()
