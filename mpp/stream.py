@@ -25,7 +25,7 @@ import webdataset
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mpp.storage import open_url
+from mpp.storage import ShardOpenError, open_url
 from mpp.tarstream import iter_samples
 from mpp.transforms import IMAGE_EXTENSIONS, ImageTransform
 
@@ -142,6 +142,8 @@ def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: _T
             for sample in iter_samples(stream):
                 last = sample["__key__"]
                 yield {**sample, "__url__": url}
+        except ShardOpenError:
+            raise  # the storage, not the shard, failed and its retries are spent: stop, naming the URL
         except _BAD_INPUT as error:
             skips.add(f"shard {url} after sample {last}" if last else f"shard {url}", error)
         finally:

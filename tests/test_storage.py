@@ -415,6 +415,17 @@ def test_http_gives_up_naming_the_url_and_the_attempts(http_server: ThreadingHTT
     assert len(proxy.seen) == 3
 
 
+def test_a_read_that_runs_out_of_retries_mid_shard_stops_the_loader(http_server: ThreadingHTTPServer,
+                                                                     flaky: Callable, quick_retries: None) -> None:
+    proxy = flaky(_http_url(http_server))
+    url = f"{proxy.url}/{NAMES[0]}"
+    proxy.arm(["cut"] + ["drop"] * 10)  # half the shard arrives, then the store goes away: not a broken tar
+    module = ShardDataModule(train=url, batch_size=2, num_workers=0, image_size=6, shuffle_buffer=0)
+    module.setup("fit")
+    with pytest.raises(ShardOpenError, match=re.escape(url) + " at byte [1-9].*after 3 attempts"):
+        list(module.train_dataloader())
+
+
 def test_errors_mask_a_presigned_signature(http_server: ThreadingHTTPServer, flaky: Callable,
                                           quick_retries: None) -> None:
     query = "?X-Amz-Credential=AKIAEXAMPLE%2F20260101&X-Amz-Signature=0123456789abcdef"
