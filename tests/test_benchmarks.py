@@ -1,0 +1,91 @@
+"""The benchmark tools run in their smallest modes and end with their verdict; the FLOPs that
+MFU is computed from agree with torch's own FLOP counter."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))  # the tools are scripts, not a package
+
+from bench_gpu import training_flops
+
+from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
+
+RATIO = r"(\d+\.\d+)x"
+
+
+SMALLEST = {
+    "fit": ["tools/bench_fit.py", "--steps", "3", "--warmup", "1", "--repeats", "1", "--workers", "0"],
+    "memory": ["tools/bench_memory.py", "--few", "1", "--many", "2", "--per-shard", "4", "--workers", "1",
+               "--shuffle-buffers", "0", "--image-size", "8", "--side", "16", "--batch", "4"],
+    "gpu": ["tools/bench_gpu.py", "--smoke"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[dict[str, subprocess.Popen]]:
+    """Every tool's smallest run, started at once: their imports and set-up overlap."""
+    started = {name: subprocess.Popen([sys.executable, *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE) for name, args in SMALLEST.items()}
+    yield started
+    for process in started.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def output(runs: dict[str, subprocess.Popen], name: str) -> str:
+    out, err = runs[name].communicate(timeout=120)
+    assert runs[name].returncode == 0, err[-3000:]
+    return out
+
+
+def test_bench_fit_compares_shards_with_in_memory_batches(runs: dict[str, subprocess.Popen]) -> None:
+    out = output(runs, "fit")
+    shards = re.search(r"^shards \(ShardDataModule\) +(\d+\.\d+)", out, re.MULTILINE)
+    synthetic = re.search(r"^synthetic \(in memory\) +(\d+\.\d+)", out, re.MULTILINE)
+    ratio = re.search(rf"^ratio shards / synthetic: {RATIO} .*(meets|MISSES) the target >= 0.90x$", out, re.MULTILINE)
+    assert shards and synthetic and ratio, out
+    # The ratio is of the arms' medians, which the table shows rounded.
+    assert abs(float(ratio[1]) - float(shards[1]) / float(synthetic[1])) < 2e-3 * float(ratio[1])
+
+
+def test_bench_memory_reads_every_sample_in_a_fresh_process(runs: dict[str, subprocess.Popen]) -> None:
+    out = output(runs, "memory")
+    rows = re.findall(r"^ +1 +0 +(\d) +(\d+) ", out, re.MULTILINE)
+    assert sorted(rows) == [("1", "4"), ("2", "8")], out
+    assert re.search(rf"peak 2 / 1 shards: self {RATIO}, children {RATIO}", out), out
+    assert re.search(rf"^ratio peak RSS 2 / 1 shards, worst of all settings: {RATIO} .*target <= 1.10x", out,
+                     re.MULTILINE), out
+
+
+def test_bench_gpu_smoke_runs_all_three_arms_on_the_cpu(runs: dict[str, subprocess.Popen]) -> None:
+    out = output(runs, "gpu")
+    for arm in ("compute (plain loop)", "fit/mem (Lightning)", "fit/shards (Lightning)"):
+        assert re.search(rf"^{re.escape(arm)} +\d+\.\d+ img/s", out, re.MULTILINE), out
+    assert "SMOKE" in out and re.search(r"^date +\d{4}-\d\d-\d\d", out, re.MULTILINE), out
+    assert re.search(rf"^ratio shards / in-memory fit: {RATIO} .*target >= 0.90x", out, re.MULTILINE), out
+
+
+def test_flop_count_matches_torch_flop_counter() -> None:
+    config = ViTConfig(image_size=(16, 24), patch_size=4, channels=3, dim=32, depth=3, heads=4, mlp_dim=48)
+    model = MaskedPatchPretraining(encoder=config, optimizer=OptimizerConfig(name="adamw", lr=1e-3))
+    corrupted = model.corruption.num_corrupted(config.num_patches)
+    counter = FlopCounterMode(display=False)
+    # Attention through the math backend, whose matmuls the counter sees (it skips CPU flash attention).
+    with counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(torch.rand(2, 3, 16, 24))
+    executed = training_flops(config, corrupted=corrupted, outputs=model.outputs, last_block_queries=1 + corrupted)
+    assert counter.get_total_flops() / 2 == executed / 3  # per image, forward only
+    vit_b16 = ViTConfig(image_size=224, patch_size=16, dim=768, depth=12, heads=12, mlp_dim=3072)
+    assert abs(training_flops(vit_b16, corrupted=98, outputs=512) / 1e9 - 105.6) < 0.1
