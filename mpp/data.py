@@ -35,7 +35,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from mpp.secrets import redact_tree
+from mpp.secrets import redact, redact_tree
 from mpp.storage import expand_urls
 from mpp.stream import Batch, Position, ShardStream, Whereabouts, fold_skip_only_batches
 from mpp.transforms import DEFAULT_MAX_PIXELS, ImageTransform
@@ -166,10 +166,10 @@ def _died(error: BaseException, positions: list[Position], dead: set[int]) -> Wo
         cause = cause.__cause__ or cause.__context__
     known = {p.pid: p.describe() for p in positions}
     where = "; ".join(known.get(pid, f"pid {pid}, which had not opened a shard") for pid in sorted(dead))
-    return WorkerDiedError(
+    return WorkerDiedError(redact(
         f"a DataLoader worker died: {where}. {type(error).__name__}: {str(error).rstrip()} If it was killed "
         "(often by the out-of-memory killer), use fewer workers or a smaller shuffle_buffer; if it crashed, "
-        "try that sample on its own.")
+        "try that sample on its own."))
 
 
 class ShardDataModule(pl.LightningDataModule):

@@ -25,6 +25,7 @@ import webdataset
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
+from mpp.secrets import redact
 from mpp.storage import ShardOpenError, open_url
 from mpp.tarstream import iter_samples
 from mpp.transforms import IMAGE_EXTENSIONS, ImageTransform
@@ -114,8 +115,8 @@ class _Skips:
         self.count += 1
         self.streak += 1
         if self.streak >= self.limit:
-            raise RuntimeError(f"{self.streak} samples or shards in a row were unreadable, the last "
-                               f"{what}: {type(error).__name__}: {error}")
+            raise RuntimeError(redact(f"{self.streak} samples or shards in a row were unreadable, the last "
+                                      f"{what}: {type(error).__name__}: {error}"))
         if not _Skips.warned:
             _Skips.warned = True
             log.warning("skipped %s: %s: %s (further skips are counted in batch['skipped'] and logged at "
