@@ -6,7 +6,7 @@ import io
 import json
 import tarfile
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,8 +14,9 @@ from typing import Any
 from braceexpand import braceexpand
 from PIL import Image
 
-
-from mpp.sources import EOF_MARKER, FORMAT, SHARD_NAME, ShardError
+from mpp.sources import FORMAT, SHARD_NAME, ShardError
+from mpp.tarstream import MemberOrderError, iter_samples
+from mpp.transforms import IMAGE_EXTENSIONS
 
 
 @dataclass
@@ -67,29 +68,11 @@ def resolve_shards(specs: Sequence[str]) -> tuple[list[Path], dict[Path, dict[st
     return list(dict.fromkeys(shards)), sidecars, given
 
 
-def _samples(tar: tarfile.TarFile) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Group consecutive members by key (the name up to the basename's first dot), like webdataset."""
-    key, members = None, {}
-    for info in tar:
-        if not info.isfile():
-            continue
-        folder, _, base = info.name.rpartition("/")
-        stem, _, ext = base.partition(".")
-        name = f"{folder}/{stem}" if folder else stem
-        if name != key and key is not None:
-            yield key, members
-            members = {}
-        key = name
-        members[ext] = tar.extractfile(info).read()
-    if key is not None:
-        yield key, members
-
-
 def _check_sample(shard: Path, key: str, members: dict[str, bytes], report: Inspection,
                   verify: bool, labelled: bool) -> None:
     """Count one sample into `report`, appending a problem for each thing wrong with it."""
     problems: list[str] = []
-    images = [ext for ext in members if ext in ("png", "jpg", "jpeg")]
+    images = [ext for ext in members if ext in IMAGE_EXTENSIONS]
     if not images:
         problems.append(f"no image member (has {sorted(members) or 'nothing'})")
     for ext in images:
@@ -119,25 +102,25 @@ def _check_sample(shard: Path, key: str, members: dict[str, bytes], report: Insp
 
 def _read_shard(shard: Path, report: Inspection, verify: bool, labelled: bool,
                 seen: dict[str, Path]) -> int:
-    """Check every sample of one tar; report truncation with how far reading got."""
+    """Check every sample of one tar (gzip-compressed or not), grouped as the loader groups them;
+    report damage with how many complete samples were read before it."""
     count = 0
     try:
-        with tarfile.open(shard, "r:") as tar:
-            for key, members in _samples(tar):
+        with shard.open("rb") as file:
+            for sample in iter_samples(file):
+                key = sample.pop("__key__")
                 count += 1
                 if verify:  # duplicate keys confuse anything that joins on keys later
                     if key in seen:
                         report.problems.append(f"{shard}:{key}: key already used in {seen[key]}")
                     seen[key] = shard
-                _check_sample(shard, key, members, report, verify, labelled)
-            end = tar.offset
-        # tarfile stops quietly at a cut-off or garbled header; a whole tar ends in zero blocks.
-        with shard.open("rb") as file:
-            file.seek(end)
-            if file.read(len(EOF_MARKER)) != EOF_MARKER:
-                report.problems.append(f"{shard}: truncated or garbled after {count} samples "
-                                       f"(no end-of-archive marker at byte {end})")
-    except (tarfile.TarError, OSError) as error:
+                _check_sample(shard, key, sample, report, verify, labelled)
+    except MemberOrderError as error:
+        report.problems.append(f"{shard}: members out of order after {count} samples: {error}")
+    # As in the loader, the sample in hand where a tar breaks off is not counted: it may lack a member.
+    except tarfile.ReadError as error:
+        report.problems.append(f"{shard}: truncated or garbled after {count} complete samples ({error})")
+    except OSError as error:
         report.problems.append(f"{shard}: unreadable after {count} complete samples ({error})")
     return count
 

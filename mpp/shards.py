@@ -1,4 +1,4 @@
-"""Write image sets as WebDataset tar shards with a JSON sidecar."""
+"""Write image sets as WebDataset tar shards with a JSON sidecar, optionally with a seeded held-out set."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import random
 import re
 import tarfile
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,22 +129,35 @@ def _existing_outputs(out_dir: Path, prefix: str) -> list[Path]:
     return shards + [p for p in [out_dir / f"{prefix}.json"] if p.exists()]
 
 
-def write_shards(source: Source, out_dir: Path, prefix: str, options: WriteOptions = WriteOptions()
-                 ) -> tuple[dict[str, Any], list[str]]:
-    """Write `<prefix>-NNNNNN.tar` shards and `<prefix>.json`; return the sidecar and skipped images."""
+def _check_prefix(prefix: str) -> None:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", prefix):
         raise ShardError(f"prefix {prefix!r}: use letters, digits, '_' and '-' (keys must have no '.')")
+
+
+def _check_free(out_dir: Path, prefix: str, options: WriteOptions) -> list[Path]:
+    """The outputs of an earlier run under `prefix`; an error if there are some and overwriting is off."""
+    old = _existing_outputs(out_dir, prefix)
+    if old and not options.overwrite:
+        raise ShardError(f"{old[0]} already exists; pass --overwrite to replace the {prefix} shards")
+    return old
+
+
+def write_shards(source: Source, out_dir: Path, prefix: str, options: WriteOptions = WriteOptions(),
+                 indices: Sequence[int] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Write `<prefix>-NNNNNN.tar` shards and `<prefix>.json`; return the sidecar and skipped images.
+
+    `indices` are the source images to write (default: all), of which `options.limit` takes the first.
+    """
+    _check_prefix(prefix)
     if options.image_format not in ("png", "jpg"):
         raise ShardError(f"image format {options.image_format!r}: choose png or jpg")
     if options.shard_samples < 1 or (options.shard_bytes is not None and options.shard_bytes < 1):
         raise ShardError("shard limits must be positive")
     if not 1 <= options.quality <= 100:
         raise ShardError(f"JPEG quality {options.quality}: choose 1..100")
+    old = _check_free(out_dir, prefix, options)
     out_dir.mkdir(parents=True, exist_ok=True)
-    old = _existing_outputs(out_dir, prefix)
-    if old and not options.overwrite:
-        raise ShardError(f"{old[0]} already exists; pass --overwrite to replace the {prefix} shards")
-    order = list(range(len(source) if options.limit is None else min(options.limit, len(source))))
+    order = list(range(len(source)) if indices is None else indices)[: options.limit]
     if options.seed is not None:
         random.Random(options.seed).shuffle(order)
     width = max(7, len(str(len(source) - 1)))
@@ -154,7 +168,7 @@ def write_shards(source: Source, out_dir: Path, prefix: str, options: WriteOptio
                 image = source.load(index)
             except ShardError as error:
                 if not options.skip_bad:
-                    raise
+                    raise ShardError(f"{error}; pass --skip-bad to skip such images and list them") from None
                 skipped.append(str(error))
                 continue
             key = f"{prefix}_{index:0{width}d}"  # the source index, so shuffled keys still trace back
@@ -188,3 +202,34 @@ def write_shards(source: Source, out_dir: Path, prefix: str, options: WriteOptio
         if path.suffix == ".tar" and path.name not in written:
             path.unlink()
     return sidecar, skipped
+
+
+def holdout_split(indices: Sequence[int], holdout: float, seed: int) -> tuple[list[int], list[int]]:
+    """(kept, held out): a seeded random choice of `holdout` of the indices (a count, or a fraction
+    if below 1, rounded), both in their given order."""
+    count = int(holdout * len(indices) + 0.5) if holdout < 1 else int(holdout)
+    if not 0 < count < len(indices):
+        raise ShardError(f"holdout {holdout} of {len(indices)} images is {count}: "
+                         "hold out at least one and keep at least one")
+    # Its own stream of the seed: the choice must not change with --shuffle, which draws from `seed`.
+    chosen = set(random.Random(f"holdout/{seed}").sample(range(len(indices)), count))
+    kept = [index for n, index in enumerate(indices) if n not in chosen]
+    return kept, [index for n, index in enumerate(indices) if n in chosen]
+
+
+def write_split(source: Source, out_dir: Path, prefix: str, holdout_prefix: str, holdout: float,
+                holdout_seed: int, options: WriteOptions = WriteOptions()
+                ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Write the source (after `options.limit`) as two disjoint shard sets, `prefix` and a seeded random
+    held-out `holdout_prefix` (see holdout_split); return both sidecars and the skipped images."""
+    if prefix == holdout_prefix:
+        raise ShardError(f"the held-out prefix {holdout_prefix!r} is the training prefix: choose another")
+    for name in (prefix, holdout_prefix):  # checked first, so that neither set is written if one cannot be
+        _check_prefix(name)
+        _check_free(out_dir, name, options)
+    pool = list(range(len(source)))[: options.limit]
+    kept, held = holdout_split(pool, holdout, holdout_seed)
+    whole = replace(options, limit=None)
+    sidecar, skipped = write_shards(source, out_dir, prefix, whole, kept)
+    held_sidecar, held_skipped = write_shards(source, out_dir, holdout_prefix, whole, held)
+    return sidecar, held_sidecar, skipped + held_skipped

@@ -15,14 +15,15 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from mpp.transforms import IMAGE_EXTENSIONS
 
 FORMAT = "mpp-shards/1"
 # Where Debian's `dataset-fashion-mnist` package installs the IDX files.
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                          "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff",
-                              ".webp", ".ppm", ".pgm", ".pbm"})
+# File suffixes of the images a folder source picks up: those the loader reads from shards.
+IMAGE_SUFFIXES = frozenset(f".{extension}" for extension in IMAGE_EXTENSIONS)
 SHARD_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9][A-Za-z0-9_-]*)-\d{6}\.tar$")
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 EOF_MARKER = bytes(2 * tarfile.BLOCKSIZE)
@@ -146,7 +147,7 @@ def cifar(directory: Path, split: str = "train", labels: str = "fine") -> Source
 
 def _image_files(root: Path) -> list[Path]:
     # Dot-files are skipped: macOS leaves `._name.jpg` resource forks that are not images.
-    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES
                   and not p.name.startswith(".") and p.is_file())
 
 
@@ -162,7 +163,7 @@ def _open_image(path: Path) -> Image.Image:
 def _file_source(files: list[Path], labels: list[int | None], classes: list[str] | None,
                  root: Path) -> Source:
     if not files:
-        raise ShardError(f"{root}: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) found")
+        raise ShardError(f"{root}: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found")
     return Source(labels=labels, load=lambda i: _open_image(files[i]),
                   origin=lambda i: str(files[i]), classes=classes)
 

@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from mpp.secrets import redact
 from mpp.storage import ShardOpenError, open_url
-from mpp.tarstream import iter_samples
+from mpp.tarstream import MemberOrderError, iter_samples
 from mpp.transforms import IMAGE_EXTENSIONS, ImageTransform
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,8 @@ def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: _T
                 yield {**sample, "__url__": url}
         except ShardOpenError:
             raise  # the storage, not the shard, failed and its retries are spent: stop, naming the URL
+        except MemberOrderError as error:  # labels parted from images: a wrong result, not a skip
+            raise MemberOrderError(redact(f"shard {url}: {error}")) from None
         except _BAD_INPUT as error:
             skips.add(f"shard {url} after sample {last}" if last else f"shard {url}", error)
         finally:

@@ -2,7 +2,9 @@
 
 Python's tarfile spends ~0.1 ms per shard sample parsing headers, a tenth of the cost of
 decoding a 256 px JPEG; this reader handles what shard writers emit (ustar, GNU long
-names, pax path/size records) at a fraction of that. Compressed tars are not read.
+names, pax path/size records) at a fraction of that. A gzip-compressed tar (.tar.gz,
+.tgz) is recognised by its first bytes, whatever its name, and decompressed as it is read;
+broken gzip data raises tarfile.ReadError too.
 
 Damage raises tarfile.ReadError where it is met: a stream that ends before the
 end-of-archive marker (wherever it stops), a header that fails its checksum, a negative
@@ -13,7 +15,9 @@ that claims more bytes than the stream holds costs no more memory than the strea
 
 from __future__ import annotations
 
+import gzip
 import tarfile
+import zlib
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
@@ -21,10 +25,29 @@ BLOCK = 512
 _END = bytes(BLOCK)
 _REGULAR = (b"0", b"\x00", b"7")
 _CHUNK = 16 << 20  # the most bytes asked of the stream at once
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class MemberOrderError(tarfile.ReadError):
+    """A key met again after another key in one tar: the members of its samples are not adjacent."""
 
 
 def iter_files(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
-    """Yield (member name, contents) for every regular file in a tar stream."""
+    """Yield (member name, contents) for every regular file in a tar stream, gzip-compressed or not."""
+    head = _read_upto(stream, len(GZIP_MAGIC))
+    if head != GZIP_MAGIC:
+        yield from _tar_files(_Rejoined(head, stream))
+        return
+    try:
+        with gzip.GzipFile(fileobj=_Rejoined(head, stream), mode="rb") as unzipped:
+            yield from _tar_files(unzipped)
+    # BadGzipFile, not OSError: a ShardOpenError (the storage failed) must pass unchanged.
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+        raise tarfile.ReadError(f"broken gzip data: {error}") from None
+
+
+def _tar_files(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
+    """Yield (member name, contents) for every regular file in an uncompressed tar stream."""
     long_name: str | None = None
     pax: dict[str, str] = {}
     while True:
@@ -58,28 +81,63 @@ def iter_samples(stream: BinaryIO) -> Iterator[dict[str, Any]]:
     """Group consecutive files by key into samples {"__key__": key, extension: bytes}.
 
     The key is the name up to the first dot of its last path part ("a/b.seg.png" -> key
-    "a/b", extension "seg.png"), as webdataset names them; so a key written with a dot in it
-    ("img.1" + ".png") reads as key "img" with extension "1.png". Names starting "__" are
-    metadata and skipped. An extension the sample in hand already has starts a new sample,
-    so consecutive samples written under one key stay apart (each gets the members up to its
-    repeat). When the stream breaks off, the sample in hand is dropped (it may lack a member)
-    and the error raised.
+    "a/b", extension "seg.png"), as webdataset names them, less a leading "./"; so a key
+    written with a dot in it ("img.1" + ".png") reads as key "img" with extension "1.png".
+    Names starting "__" are metadata and skipped. An extension the sample in hand already
+    has starts a new sample, so consecutive samples written under one key stay apart (each
+    gets the members up to its repeat). A key met again after another key raises
+    MemberOrderError: its members were not stored together (as `tar -cf x.tar .` stores a
+    folder, in directory order), and reading on would part images from their labels. When
+    the stream breaks off, the sample in hand is dropped (it may lack a member) and the
+    error raised.
     """
     sample: dict[str, Any] = {}
+    done: set[str] = set()  # the keys of the samples yielded
     for name, data in iter_files(stream):
-        folder, _, base = name.rpartition("/")
+        # `tar -C dir -cf x.tar .` names members "./a.png": the same sample as "a.png" would be.
+        folder, _, base = name.removeprefix("./").rpartition("/")
         key, dot, extension = base.partition(".")
         if not dot or key.startswith("__"):
             continue
         key = f"{folder}/{key}" if folder else key
         extension = extension.lower()
+        if key in done and key != sample["__key__"]:
+            raise MemberOrderError(
+                f"member {name!r} belongs to sample {key!r}, which came earlier in this tar (the sample "
+                f"in hand is {sample['__key__']!r}): the members of one sample must be adjacent. Rewrite "
+                "the tar with `tar --sort=name` (GNU tar >= 1.28) or with tools/make_shards.py")
         if sample and (sample["__key__"] != key or extension in sample):
+            done.add(sample["__key__"])
             yield sample
             sample = {}
         sample["__key__"] = key
         sample[extension] = data
     if sample:
         yield sample
+
+
+def _read_upto(stream: BinaryIO, size: int) -> bytes:
+    """`size` bytes, or fewer only where the stream ends: a raw stream may return less per read."""
+    data = stream.read(size)
+    while data and len(data) < size and (more := stream.read(size - len(data))):
+        data += more
+    return data
+
+
+class _Rejoined:
+    """A stream whose first bytes were read to sniff its format, with those bytes put back in front."""
+
+    def __init__(self, head: bytes, stream: BinaryIO) -> None:
+        self.head, self.stream = head, stream
+
+    def read(self, size: int = -1) -> bytes:
+        if not self.head:
+            return self.stream.read(size)
+        if 0 <= size < len(self.head):
+            data, self.head = self.head[:size], self.head[size:]
+            return data
+        data, self.head = self.head, b""
+        return data + self.stream.read(-1 if size < 0 else size - len(data))
 
 
 def _read_exact(stream: BinaryIO, size: int, what: str) -> bytes | None:

@@ -14,8 +14,9 @@ import random
 import numpy as np
 from PIL import Image
 
-# Member extensions read as a sample's image, in order of preference.
-IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "ppm", "bmp", "tif", "tiff")
+# Member extensions read as a sample's image, in order of preference; PIL decodes them all.
+# The one list: the shard inspector checks them and folder sources pick up files with them.
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp", "ppm", "pgm", "pbm", "tif", "tiff", "gif")
 
 # PIL's own default for Image.MAX_IMAGE_PIXELS: about 0.25 GiB of RGB pixels (a 9459 px square).
 DEFAULT_MAX_PIXELS = 89_478_485

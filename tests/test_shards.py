@@ -18,9 +18,11 @@ import pytest
 from PIL import Image
 
 from mpp.inspection import inspect_shards
-from mpp.shards import WriteOptions, encode_image, write_shards
-from mpp.sources import (FASHION_MNIST_CLASSES, ShardError, Source, cifar, fashion_mnist, flat_folder,
-                         image_folder, read_idx)
+from mpp.shards import WriteOptions, encode_image, holdout_split, write_shards, write_split
+from mpp.sources import (FASHION_MNIST_CLASSES, IMAGE_SUFFIXES, ShardError, Source, cifar, fashion_mnist,
+                         flat_folder, image_folder, read_idx)
+from mpp.tarstream import iter_samples
+from mpp.transforms import IMAGE_EXTENSIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = WriteOptions(progress=False)
@@ -314,9 +316,15 @@ def test_inspector_counts_and_verify(tmp_path: Path, folder) -> None:
     report = inspect_shards([str(out / "train.json")], verify=True)
     text = "\n".join(report.problems)
     assert f"{out / 'train-000000.tar'}:train_0000001: cannot decode .png" in text
-    assert f"{out / 'train-000001.tar'}: unreadable after 1 complete samples" in text
-    assert f"{out / 'train-000002.tar'}: truncated or garbled after 1 samples" in text
-    assert f"{out / 'train-000001.tar'}: 1 samples, sidecar says 3" in text
+    # As the loader reads them: a sample is complete once the next one's first member is whole, or
+    # the end-of-archive marker follows it; so neither the first sample of train-000001 counts nor,
+    # without the marker, the only one of train-000002.
+    assert (f"{out / 'train-000001.tar'}: truncated or garbled after 0 complete samples (the stream "
+            "ended inside member data (10 of ") in text
+    assert (f"{out / 'train-000002.tar'}: truncated or garbled after 0 complete samples (the stream "
+            "ended before the end-of-archive marker: a truncated tar)") in text
+    assert f"{out / 'train-000001.tar'}: 0 samples, sidecar says 3" in text
+    assert f"{out / 'train-000002.tar'}: 0 samples, sidecar says 1" in text
     assert f"{out / 'train-000001.tar'}: {cut} bytes, sidecar says {size}" in text
 
 
@@ -346,3 +354,158 @@ def test_embedded_fashion_mnist_sample() -> None:
     report = inspect_shards([str(ROOT / "shards" / "fashion-mnist" / "test.json")], verify=True)
     assert report.problems == [] and report.total == 1000 and len(report.labels) == 10
     assert report.modes == {"L": 1000} and report.sizes == {(28, 28): 1000}
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    """A plain ustar tar of the members, in the order given."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _png(level: int, ext: str = "png") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("L", (6, 4), level).save(buffer, {"jpg": "JPEG", "tif": "TIFF"}.get(ext, ext.upper()))
+    return buffer.getvalue()
+
+
+def test_inspector_groups_members_as_the_loader_does(tmp_path: Path) -> None:
+    shard = _tar(tmp_path / "mixed.tar", [("a.png", _png(1)), ("a.cls", b"0"), ("a.png", _png(2)),
+                                          ("B.PNG", _png(3)), ("c.webp", _png(4, "webp"))])
+    with shard.open("rb") as file:
+        loaded = list(iter_samples(file))
+    assert [(s["__key__"], sorted(s)) for s in loaded] == [
+        ("a", ["__key__", "cls", "png"]), ("a", ["__key__", "png"]), ("B", ["__key__", "png"]),
+        ("c", ["__key__", "webp"])]
+    report = inspect_shards([str(shard)])
+    assert report.problems == [] and report.total == 4 and report.labels == {0: 1, None: 3}
+    verified = inspect_shards([str(shard)], verify=True)  # every image decodes; only the repeated key is news
+    assert verified.problems == [f"{shard}:a: key already used in {shard}"] and sum(verified.modes.values()) == 4
+
+
+def test_one_image_extension_list_for_loader_inspector_and_folders(tmp_path: Path) -> None:
+    assert IMAGE_EXTENSIONS[:3] == ("png", "jpg", "jpeg") and IMAGE_SUFFIXES == {f".{e}" for e in IMAGE_EXTENSIONS}
+    formats = {"jpeg": "jpg", "tiff": "tif", "pgm": "ppm", "pbm": "ppm"}  # PIL saves PGM/PBM as PPM by mode
+    root = tmp_path / "flat"
+    root.mkdir()
+    for index, ext in enumerate(IMAGE_EXTENSIONS):
+        mode = {"pbm": "1", "pgm": "L"}.get(ext, "L")
+        buffer = io.BytesIO()
+        Image.new(mode, (6, 4), index).save(buffer, {"jpg": "JPEG", "tif": "TIFF"}.get(
+            formats.get(ext, ext), formats.get(ext, ext).upper()))
+        (root / f"{index:02d}.{ext.upper() if index % 2 else ext}").write_bytes(buffer.getvalue())
+    (root / "notes.txt").write_text("not an image")
+    assert len(flat_folder(root)) == len(IMAGE_EXTENSIONS)  # upper-case suffixes too
+    shard = _tar(tmp_path / "all.tar", [(f"k{i:02d}.{ext}", (root / name).read_bytes()) for i, (ext, name) in
+                                        enumerate(zip(IMAGE_EXTENSIONS, sorted(p.name for p in root.iterdir()
+                                                                               if p.suffix != ".txt")))])
+    report = inspect_shards([str(shard)], verify=True)
+    assert report.problems == [] and report.total == sum(report.modes.values()) == len(IMAGE_EXTENSIONS)
+
+
+def test_inspector_reads_gzip_shards_and_reports_broken_gzip(tmp_path: Path, folder, capsys) -> None:
+    out = tmp_path / "out"
+    write_shards(image_folder(folder[0]), out, "train", _options(shard_samples=4))
+    packed = gzip.compress((out / "train-000000.tar").read_bytes())
+    (tmp_path / "a.tar.gz").write_bytes(packed)
+    (tmp_path / "b.tgz").write_bytes(gzip.compress((out / "train-000001.tar").read_bytes()))
+    (tmp_path / "cut.tar.gz").write_bytes(packed[: len(packed) // 2])
+    assert _tool("inspect_shards").main([str(tmp_path / "a.tar.gz"), str(tmp_path / "b.tgz"), "--verify"]) == 0
+    assert "verified: 7 samples" in capsys.readouterr().out
+    report = inspect_shards([str(tmp_path / "cut.tar.gz")])
+    assert len(report.problems) == 1 and report.problems[0].startswith(
+        f"{tmp_path / 'cut.tar.gz'}: truncated or garbled after {report.total} complete samples (broken gzip data: ")
+
+
+def test_inspector_reports_members_that_are_not_adjacent(tmp_path: Path, capsys) -> None:
+    shard = _tar(tmp_path / "apart.tar", [("a.png", _png(1)), ("b.png", _png(2)), ("a.cls", b"0"), ("b.cls", b"1")])
+    assert _tool("inspect_shards").main([str(shard)]) == 1
+    err = capsys.readouterr().err
+    assert (f"{shard}: members out of order after 1 samples: member 'a.cls' belongs to sample 'a', which came "
+            "earlier in this tar (the sample in hand is 'b'): the members of one sample must be adjacent. "
+            "Rewrite the tar with `tar --sort=name` (GNU tar >= 1.28) or with tools/make_shards.py") in err
+
+
+def test_make_shards_names_skip_bad_when_an_image_is_broken(tmp_path: Path, folder, capsys) -> None:
+    (folder[0] / "cat" / "broken.jpg").write_bytes(b"not a jpeg")
+    make = _tool("make_shards")
+    argv = ["folder", str(folder[0]), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert make.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {folder[0] / 'cat' / 'broken.jpg'}: cannot decode image (")
+    assert err.rstrip().endswith("); pass --skip-bad to skip such images and list them")
+    assert not (tmp_path / "out" / "train.json").exists()
+    assert make.main(argv + ["--skip-bad"]) == 0
+    assert f"skipped: {folder[0] / 'cat' / 'broken.jpg'}: cannot decode image" in capsys.readouterr().err
+
+
+def _indexed(out: Path, prefix: str) -> dict[int, int | None]:
+    """{source index: label} of a written set, checking that each image still carries its index."""
+    _, samples = read_back(out, prefix)
+    found = {}
+    for key, image, label in samples:
+        index = int(key.split("_")[1])
+        assert key.startswith(f"{prefix}_") and image.getpixel((0, 0)) == index
+        found[index] = label
+    assert len(found) == len(samples)
+    return found
+
+
+def test_holdout_split_is_seeded_disjoint_and_covers_the_source(tmp_path: Path) -> None:
+    labels = [i % 4 for i in range(50)]
+    source = Source(labels=labels, load=lambda i: Image.new("L", (4, 4), i), origin=str, classes=list("abcd"))
+
+    def split(name: str, holdout: float, holdout_seed: int, **changes) -> tuple[dict, dict]:
+        train, val, skipped = write_split(source, tmp_path / name, "train", "val", holdout, holdout_seed,
+                                          _options(shard_samples=8, **changes))
+        kept, held = _indexed(tmp_path / name, "train"), _indexed(tmp_path / name, "val")
+        assert skipped == [] and (train["samples"], val["samples"]) == (len(kept), len(held))
+        return kept, held
+
+    kept, held = split("a", 0.2, 1)
+    assert len(held) == 10 and len(kept) == 40 and not set(kept) & set(held)
+    assert sorted({**kept, **held}) == list(range(50))
+    assert all(label == labels[index] for part in (kept, held) for index, label in part.items())
+    assert split("b", 0.2, 1) == (kept, held)  # the same seed: the same split
+    assert set(split("c", 0.2, 2)[1]) != set(held)
+    shuffled = split("d", 0.2, 1, seed=7)  # --shuffle reorders each set, but holds out the same
+    assert shuffled == (kept, held) and list(shuffled[1]) != list(held)
+    kept, held = split("e", 6, 1, limit=20)  # a count, of the first 20
+    assert len(held) == 6 and sorted({**kept, **held}) == list(range(20))
+    assert holdout_split(list(range(10)), 0.25, 0)[1] == sorted(holdout_split(list(range(10)), 0.25, 0)[1])
+    assert len(holdout_split(list(range(10)), 0.25, 0)[1]) == 3  # 2.5 rounds up
+    with pytest.raises(ShardError, match="held-out prefix 'train' is the training prefix"):
+        write_split(source, tmp_path / "same", "train", "train", 0.2, 1, QUIET)
+    for holdout in (0.01, 10, 11):
+        with pytest.raises(ShardError, match=rf"holdout {holdout} of 10 images is"):
+            holdout_split(list(range(10)), holdout, 0)
+
+
+def test_make_shards_holdout_writes_two_sets_or_neither(tmp_path: Path, folder, capsys) -> None:
+    make = _tool("make_shards")
+    out = tmp_path / "out"
+    argv = ["folder", str(folder[0]), "--out", str(out), "--no-progress", "--holdout", "2", "--seed", "3"]
+    assert make.main(argv + ["--holdout-prefix", "held"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"5 samples in 1 shards: {out / 'train-000000.tar'} (sidecar {out / 'train.json'})",
+        f"held out (--seed 3): 2 samples in 1 shards: {out / 'held-000000.tar'} (sidecar {out / 'held.json'}); "
+        "0 skipped"]
+    files, indices = sorted(folder[1]), []
+    for prefix in ("train", "held"):  # labels stay with their images
+        sidecar, samples = read_back(out, prefix)
+        for key, image, label in samples:
+            indices.append(int(key.split("_")[1]))
+            pixels, cls = folder[1][files[indices[-1]]]
+            assert np.array_equal(np.asarray(image), pixels) and sidecar["classes"][label] == cls
+    assert sorted(indices) == list(range(7)) and len(samples) == 2
+    (out / "val.json").write_text("{}")
+    assert make.main(argv + ["--prefix", "fresh"]) == 1  # the held-out set exists: neither is written
+    assert f"{out / 'val.json'} already exists; pass --overwrite to replace the val shards" in capsys.readouterr().err
+    assert not list(out.glob("fresh*"))
+    for bad in ("0", "1.5", "half"):
+        with pytest.raises(SystemExit):
+            make.main(argv[:-4] + ["--holdout", bad])
+        assert "neither a count (1 or more) nor a fraction in (0, 1)" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 Examples:
     python tools/inspect_shards.py shards/fashion-mnist/train.json
     python tools/inspect_shards.py 'shards/fashion-mnist/train-{000000..000009}.tar' --verify
+    python tools/inspect_shards.py downloaded/train-000000.tar.gz   # gzip-compressed and foreign tars too
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ Examples:
     python tools/make_shards.py flat path/to/photos --prefix unlabeled --out shards/photos
     python tools/make_shards.py cifar path/to/cifar-100-python --split test --labels coarse \\
         --out shards/cifar100
+    python tools/make_shards.py folder path/to/photos --out shards/photos --holdout 0.1 --seed 0
+
+--holdout N (a count) or F (a fraction, 0 < F < 1) holds out a seeded random choice of the
+images (after --limit; the same with or without --shuffle) as a second set of shards under
+--holdout-prefix (default val), each set with its sidecar; together they are the source.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
-from mpp.shards import WriteOptions, write_shards
+from mpp.shards import WriteOptions, write_shards, write_split
 from mpp.sources import FASHION_MNIST_DIR, ShardError, Source, cifar, fashion_mnist, flat_folder, image_folder
 
 
@@ -23,6 +29,17 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _holdout(text: str) -> float:
+    """A count of images (a whole number, 1 or more) or a fraction of them (0 < F < 1)."""
+    try:
+        value = int(text) if text.isdigit() else float(text)
+    except ValueError:
+        value = 0
+    if not (value >= 1 if isinstance(value, int) else 0 < value < 1):
+        raise argparse.ArgumentTypeError(f"{text} is neither a count (1 or more) nor a fraction in (0, 1)")
     return value
 
 
@@ -41,7 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_argument("--quality", type=int, default=95, help="JPEG quality, 1-100 (default 95)")
     common.add_argument("--limit", type=_positive, metavar="N", help="take only the first N images")
     common.add_argument("--shuffle", action="store_true", help="shuffle sample order before sharding")
-    common.add_argument("--seed", type=int, default=0, help="seed of --shuffle")
+    common.add_argument("--seed", type=int, default=0, help="seed of --shuffle and --holdout")
+    common.add_argument("--holdout", type=_holdout, metavar="N|F",
+                        help="hold out N images, or a fraction F of them, as a second shard set")
+    common.add_argument("--holdout-prefix", default="val", help="prefix of the held-out set (default val)")
     common.add_argument("--overwrite", action="store_true", help="replace existing shards")
     common.add_argument("--skip-bad", action="store_true", help="skip undecodable images, list them")
     common.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -74,8 +94,16 @@ def load_source(args: argparse.Namespace) -> Source:
     return cifar(args.root, args.split, args.labels)
 
 
+def _summary(sidecar: dict[str, Any], out: Path) -> str:
+    """`N samples in K shards: <pattern> (sidecar <path>)` for one written set."""
+    prefix, last = sidecar["prefix"], len(sidecar["shards"]) - 1
+    pattern = f"{prefix}-000000.tar" if last == 0 else f"{prefix}-{{000000..{last:06d}}}.tar"
+    return (f"{sidecar['samples']} samples in {last + 1} shards: {out / pattern} "
+            f"(sidecar {out / (prefix + '.json')})")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Write the shards; print a summary, or the error naming the bad file."""
+    """Write the shards (and a held-out set); print a summary, or the error naming the bad file."""
     args = parse_args(argv)
     options = WriteOptions(shard_samples=args.shard_samples, shard_bytes=args.shard_bytes,
                            resize_short=args.resize_short, image_format=args.image_format,
@@ -84,16 +112,23 @@ def main(argv: list[str] | None = None) -> int:
                            skip_bad=args.skip_bad, progress=not args.no_progress)
     prefix = args.prefix or getattr(args, "split", "train")
     try:
-        sidecar, skipped = write_shards(load_source(args), args.out, prefix, options)
+        source = load_source(args)
+        if args.holdout is None:
+            sidecar, skipped = write_shards(source, args.out, prefix, options)
+            sidecars = [sidecar]
+        else:
+            kept, held, skipped = write_split(source, args.out, prefix, args.holdout_prefix, args.holdout,
+                                              args.seed, options)
+            sidecars = [kept, held]
     except ShardError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     for reason in skipped:
         print(f"skipped: {reason}", file=sys.stderr)
-    last = len(sidecar["shards"]) - 1
-    pattern = f"{prefix}-000000.tar" if last == 0 else f"{prefix}-{{000000..{last:06d}}}.tar"
-    print(f"{sidecar['samples']} samples in {last + 1} shards: {args.out / pattern} "
-          f"(sidecar {args.out / (prefix + '.json')}); {len(skipped)} skipped")
+    lines = [_summary(sidecar, args.out) for sidecar in sidecars]
+    if len(lines) == 2:
+        lines[1] = f"held out (--seed {args.seed}): {lines[1]}"
+    print("\n".join(lines) + f"; {len(skipped)} skipped")
     return 0
 
 
