@@ -1,9 +1,11 @@
 """Lightning callbacks that watch a run: throughput and skipped samples, a progress bar that
-costs no sync, and pictures of the pretraining predictions. Each reads the batch and the
-module's public outputs only."""
+costs no sync, pictures of the pretraining predictions, and the stage where ranks stalled.
+Each reads the batch and the module's public outputs only."""
 
 from __future__ import annotations
 
+import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import torch
 from PIL import Image
 from pytorch_lightning.callbacks import TQDMProgressBar
 from pytorch_lightning.loggers import WandbLogger
+from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from mpp.images import to_unit_range
 from mpp.pictures import prediction_panel
@@ -132,3 +135,36 @@ class PredictionPictures(pl.Callback):
                     step=step,
                     caption=["original | corrupted | predicted | true"],
                 )
+
+
+_STAGES = {"sanity_check": "the sanity check of the validation set", "train": "training", "validate": "validation",
+           "test": "testing", "predict": "prediction"}
+
+
+class RankFailure(pl.Callback):
+    """When a rank fails: says in which stage a collective timed out, and stops the ranks it started.
+
+    A rank that waits for the others (they stalled, or ran fewer steps) gives up after the
+    strategy's timeout (`trainer.strategy.init_args.timeout` of DDPStrategy, 30 minutes unless
+    set) with a bare "timed out" from the communication backend; the note names the stage.
+    Lightning's own launcher (`mpp fit --trainer.devices N`, no torchrun or srun) leaves the
+    processes it started running when the first rank fails, where they wait in a collective
+    or go on alone: they are killed.
+    """
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if trainer.world_size > 1 and is_collective_timeout(exception):
+            running = trainer.state.stage.value if trainer.state.stage is not None else "setup"
+            stage = _STAGES.get(running, running)
+            exception.add_note(
+                f"mpp: rank {trainer.global_rank} timed out waiting for the other ranks during {stage} "
+                f"(global step {trainer.global_step}): one rank is stuck or ran a different number of steps; "
+                "the timeout is trainer.strategy.init_args.timeout")
+        launcher = trainer.strategy.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher):
+            launcher.kill(signal.SIGKILL)
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """Whether an error is a timed-out collective, as gloo and NCCL report it."""
+    return isinstance(error, RuntimeError) and re.search(r"timed? ?out|timeout", str(error), re.IGNORECASE) is not None

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from mpp.guards import LossGuard, LossGuardCheck, Policy
 from mpp.images import Normalise, to_unit_range
-from mpp.optim import OptimizerConfig, configure_optimizer, global_batch_size, logging_step, total_steps
+from mpp.optim import (OptimizerConfig, configure_optimizer, global_batch_size, log_nothing, logging_step,
+                       total_steps)
 from mpp.pretrain import as_config
 from mpp.vit import ViT, ViTConfig, pair
 
@@ -158,8 +159,11 @@ class ImageClassifier(pl.LightningModule):
         self.check_labels(batch["label"])
         return batch
 
-    def _step(self, batch: dict[str, Tensor], stage: str) -> Tensor:
+    def _step(self, batch: dict[str, Tensor], stage: str) -> Tensor | None:
         labels = batch["label"]
+        if labels.shape[0] == 0:  # a rank in step with those still evaluating (mpp.data.ShardLoader)
+            log_nothing(self, stage, ["loss", "accuracy"])
+            return None
         logits = self(to_unit_range(batch["image"]))
         loss = F.cross_entropy(logits, labels)
         correct = logits.argmax(dim=-1) == labels
@@ -178,10 +182,10 @@ class ImageClassifier(pl.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
         return self.loss_guard(self._step(batch, "train"), self.trainer)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
         return self._step(batch, "val")
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
         return self._step(batch, "test")
 
     def on_test_epoch_start(self) -> None:
@@ -194,7 +198,7 @@ class ImageClassifier(pl.LightningModule):
         total = self.trainer.strategy.reduce(self.class_total.float(), reduce_op="sum")
         for name, right, count in zip(self.class_names, correct.tolist(), total.tolist()):
             if count > 0:
-                self.log(f"test/accuracy/{name}", right / count)
+                self.log(f"test/accuracy/{name}", right / count, sync_dist=True)  # reduced already
 
     def configure_optimizers(self) -> dict[str, Any]:
         return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer),

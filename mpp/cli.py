@@ -22,6 +22,7 @@ from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
 from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.plugins.io import CheckpointIO
 
+from mpp.callbacks import RankFailure
 from mpp.checkpointing import AtomicCheckpointIO
 from mpp.data import ShardDataModule
 from mpp.optim import global_batch_size
@@ -86,13 +87,16 @@ class MPPCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.append(RankFailure())
+        return trainer
 
     def before_fit(self) -> None:
         self.trainer.print(redact(run_summary(self.trainer, self.model, self.datamodule)))
 
     def after_fit(self) -> None:
-        self.trainer.print(redact(results_summary(self.trainer)))
+        if self.trainer.is_global_zero:  # other ranks hold placeholder loggers
+            self.trainer.print(redact(results_summary(self.trainer)))
 
 
 def place_run_outputs(config: Any) -> None:
@@ -139,7 +143,7 @@ def batch_and_lr(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> l
     batch = getattr(data, "batch_size", None)
     if batch is None:
         return []
-    total = global_batch_size(trainer)
+    total = global_batch_size(trainer, data)
     line = (f"mpp: global batch {total} = {trainer.num_nodes} node(s) x {trainer.num_devices} device(s) x "
             f"batch {batch} x {trainer.accumulate_grad_batches} accumulated")
     config = getattr(model, "optimizer_config", None)

@@ -39,10 +39,16 @@ from mpp.secrets import redact, redact_tree
 from mpp.storage import expand_urls
 from mpp.stream import Batch, Position, ShardStream, Whereabouts, fold_skip_only_batches
 from mpp.transforms import DEFAULT_MAX_PIXELS, ImageTransform
+from mpp.vit import ViTConfig, pair
 
 log = logging.getLogger(__name__)
 
 ShardSpec = str | list[str]
+
+
+def _plain(value: object) -> object:
+    """A size as a user writes it: 224 for (224, 224)."""
+    return value[0] if isinstance(value, tuple) and len(set(value)) == 1 else value
 
 
 def _require(ok: bool, name: str, value: object, wanted: str) -> None:
@@ -50,13 +56,26 @@ def _require(ok: bool, name: str, value: object, wanted: str) -> None:
         raise ValueError(f"ShardDataModule: {name}={value!r} is invalid; it must be {wanted}")
 
 
+class EmptyEpochError(RuntimeError):
+    """An epoch of a split yielded not one batch: every shard empty, unreadable or skipped."""
+
+
 class ShardLoader:
     """Iterates a DataLoader over a ShardStream: sets the stream's (epoch, start step) first, cuts
-    resampled epochs, and names the shard and sample of a worker that dies."""
+    resampled epochs, names the shard and sample of a worker that dies, and stops an epoch that
+    yields nothing.
 
-    def __init__(self, stream: ShardStream, *, num_workers: int, position: Callable[[], tuple[int, int]],
-                 num_batches: int | None) -> None:
-        self.stream, self.num_batches, self._position = stream, num_batches, position
+    `in_step` keeps the ranks of an evaluation in step: given whether this rank has another batch,
+    it answers whether any rank has (one collective per batch). A rank whose shards are spent then
+    yields empty batches until every rank is done, so all run the same number of steps; an empty
+    batch counts for nothing in the metrics (its batch size is 0).
+    """
+
+    def __init__(self, stream: ShardStream, *, split: str, num_workers: int,
+                 position: Callable[[], tuple[int, int]], num_batches: int | None,
+                 in_step: Callable[[bool], bool] | None = None) -> None:
+        self.stream, self.split, self.num_batches, self._position = stream, split, num_batches, position
+        self.in_step = in_step
         # Batches are collated inside the workers (batch_size=None), where skips are counted.
         self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
                                  pin_memory=torch.cuda.is_available())
@@ -71,15 +90,51 @@ class ShardLoader:
         batches = fold_skip_only_batches(iter(self.loader))
         if self.num_batches is not None:
             batches = islice(batches, self.num_batches)
-        if whereabouts is None:
-            return batches
-        _watch_worker_deaths()  # after iter(): torch installs its SIGCHLD handler there
-        return _naming_deaths(batches, whereabouts)
+        if whereabouts is not None:
+            _watch_worker_deaths()  # after iter(): torch installs its SIGCHLD handler there
+            batches = _naming_deaths(batches, whereabouts)
+        if self.in_step is not None:
+            return self._in_step(batches, self.in_step)
+        return self._not_empty(batches)
 
     def __len__(self) -> int:
         if self.num_batches is None:
             raise TypeError("a stream that is not resampled has no fixed length")
         return self.num_batches
+
+    def _not_empty(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """The batches; an epoch that ends before its first batch is an error naming the shards."""
+        count = 0
+        for count, batch in enumerate(batches, 1):
+            yield batch
+        if count == 0:
+            raise self._empty()
+
+    def _in_step(self, batches: Iterator[Batch], any_rank: Callable[[bool], bool]) -> Iterator[Batch]:
+        """This rank's batches, then empty ones for as long as another rank still has batches."""
+        first = True
+        while True:
+            batch = next(batches, None)
+            if not any_rank(batch is not None):
+                if first:
+                    raise self._empty(everywhere=True)
+                return
+            first = False
+            yield batch if batch is not None else self._empty_batch()
+
+    def _empty_batch(self) -> Batch:
+        channels, (height, width) = self.stream.transform.channels, self.stream.transform.size
+        return {"image": torch.empty((0, channels, height, width), dtype=torch.uint8),
+                "label": torch.empty((0,), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64)}
+
+    def _empty(self, everywhere: bool = False) -> EmptyEpochError:
+        urls = self.stream.urls
+        shown = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+        where = " on any rank" if everywhere else (f" on rank {self.stream.rank}" if self.stream.world_size > 1 else "")
+        return EmptyEpochError(redact(
+            f"data.{self.split} yielded no batch{where}: its {len(urls)} shard(s) ({shown}) hold no sample that "
+            "could be read (empty tars, or every sample skipped: the warnings above say why); check them with "
+            "`python tools/inspect_shards.py <shards> --verify`"))
 
 
 class WorkerDiedError(RuntimeError):
@@ -97,6 +152,8 @@ def _naming_deaths(batches: Iterator[Batch], whereabouts: Whereabouts) -> Iterat
     except WorkerDiedError:
         raise
     except (RuntimeError, OSError) as error:
+        if _raised_in_worker(error):  # the worker's own error, passed on by torch: not a death
+            raise
         positions = whereabouts.read()
         dead = _torch_death_pids(error) or _exited({p.pid for p in positions if p.pid})
         if not dead:
@@ -134,6 +191,11 @@ def _watch_worker_deaths() -> None:
 
     handler.names_dead_workers = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGCHLD, handler)
+
+
+def _raised_in_worker(error: BaseException) -> bool:
+    """Whether torch re-raised an exception a worker caught ("Caught X in DataLoader worker process N")."""
+    return re.match(r"Caught \w+ in DataLoader worker process \d+", str(error)) is not None
 
 
 def _torch_death_pids(error: BaseException) -> set[int]:
@@ -182,8 +244,11 @@ class ShardDataModule(pl.LightningDataModule):
             pretraining.
         batch_size: samples per batch on each rank.
         num_workers: DataLoader worker processes per rank (0 reads in the main process).
-        image_size: output size, an int or (H, W).
-        channels: 1 or 3; any PIL mode is converted (16-bit scaled, alpha composited on black).
+        image_size: output size, an int or (H, W); null (the default): the encoder's, read from the
+            trainer's module (`model.init_args.encoder.image_size`), or 224 used alone. A size set
+            here that differs from the encoder's stops the run before training, naming both keys.
+        channels: 1 or 3, any PIL mode converted (16-bit scaled, alpha composited on black); null:
+            the encoder's, or 3 used alone; checked against the encoder as image_size is.
         crop_scale, crop_ratio: area fraction and aspect (w/h) range of the training crop.
         hflip: flip training images horizontally half of the time.
         eval_crop_fraction: evaluation resizes to cover image_size / eval_crop_fraction, then
@@ -212,7 +277,7 @@ class ShardDataModule(pl.LightningDataModule):
 
     def __init__(self, *, train: ShardSpec | None = None, val: ShardSpec | None = None,
                  test: ShardSpec | None = None, batch_size: int = 64, num_workers: int = 4,
-                 image_size: int | tuple[int, int] = 224, channels: int = 3,
+                 image_size: int | tuple[int, int] | None = None, channels: int | None = None,
                  crop_scale: tuple[float, float] = (0.08, 1.0), crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
                  hflip: bool = True, eval_crop_fraction: float = 0.875, shard_shuffle: bool = True,
                  shuffle_buffer: int = 1000, resampled: bool = False, samples_per_epoch: int | None = None,
@@ -221,11 +286,12 @@ class ShardDataModule(pl.LightningDataModule):
         super().__init__()
         # Lightning hands these to every logger and checkpoint: shard URLs go with credentials masked.
         self.save_hyperparameters(redact_tree(settings))
-        size = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        size = None if image_size is None else pair(image_size)
         _require(batch_size >= 1, "batch_size", batch_size, "a positive number of samples")
         _require(num_workers >= 0, "num_workers", num_workers, "0 or more worker processes")
-        _require(len(size) == 2 and min(size) >= 1, "image_size", image_size, "an int or (H, W)")
-        _require(channels in (1, 3), "channels", channels, "1 or 3")
+        _require(size is None or (len(size) == 2 and min(size) >= 1), "image_size", image_size,
+                 "an int or (H, W), or null for the encoder's")
+        _require(channels in (None, 1, 3), "channels", channels, "1 or 3, or null for the encoder's")
         _require(0 < crop_scale[0] <= crop_scale[1] <= 1, "crop_scale", crop_scale, "(min, max) in (0, 1]")
         _require(0 < crop_ratio[0] <= crop_ratio[1], "crop_ratio", crop_ratio, "(min, max) > 0")
         _require(0 < eval_crop_fraction <= 1, "eval_crop_fraction", eval_crop_fraction, "in (0, 1]")
@@ -239,22 +305,29 @@ class ShardDataModule(pl.LightningDataModule):
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.resampled, self.samples_per_epoch, self.allow_pipe = resampled, samples_per_epoch, allow_pipe
         self.shard_shuffle, self.shuffle_buffer = shard_shuffle, shuffle_buffer
-        common = {"size": size, "channels": channels, "max_pixels": max_image_pixels}
-        self.train_transform = ImageTransform(train=True, scale=tuple(crop_scale), ratio=tuple(crop_ratio),
-                                              hflip=hflip, **common)
-        self.eval_transform = ImageTransform(train=False, crop_fraction=eval_crop_fraction, **common)
+        self.image_size, self.channels = size, channels
+        self._augment = {"scale": tuple(crop_scale), "ratio": tuple(crop_ratio), "hflip": hflip}
+        self._eval_crop_fraction, self._max_pixels = eval_crop_fraction, max_image_pixels
         self.rank, self.world_size = 0, 1
         self.urls: dict[str, list[str]] = {}
         self._epoch = self._step = 0
 
-    def setup(self, stage: str | None = None, *, rank: int | None = None, world_size: int | None = None) -> None:
-        """Expand and check the shards a stage needs; rank/world size default to the trainer's, else 0/1."""
+    def setup(self, stage: str | None = None, *, rank: int | None = None, world_size: int | None = None,
+              encoder: ViTConfig | None = None) -> None:
+        """Expand and check the shards a stage needs; rank/world size default to the trainer's, else 0/1,
+        and the encoder whose image size and channels the images take to the trainer's module's."""
         if rank is not None and world_size is not None:
             self.rank, self.world_size = rank, world_size
         elif self.trainer is not None:
             self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if encoder is None and self.trainer is not None:
+            encoder = getattr(self.trainer.lightning_module, "encoder_config", None)
+        size, channels = self._fit_the_encoder(encoder)
+        common = {"size": size, "channels": channels, "max_pixels": self._max_pixels}
+        self.train_transform = ImageTransform(train=True, **self._augment, **common)
+        self.eval_transform = ImageTransform(train=False, crop_fraction=self._eval_crop_fraction, **common)
         required = {"fit": "train", "validate": "val", "test": "test"}.get(stage or "")
         if required is not None and self.specs[required] is None:
             raise ValueError(f"stage {stage!r} needs shards for {required!r}: set data.{required}")
@@ -266,13 +339,23 @@ class ShardDataModule(pl.LightningDataModule):
         if train is not None and self.world_size > 1 and not self.resampled:
             log.warning("training on %d ranks without resampled=True: ranks may get unequal batch counts, "
                         "which stalls DDP; set resampled=True and samples_per_epoch", self.world_size)
-        for split, urls in self.urls.items():
-            if len(urls) < self.world_size and not (split == "train" and self.resampled):
-                log.warning("%s has %d shards for %d ranks: some ranks read nothing", split, len(urls),
-                            self.world_size)
+        if train is not None and len(train) < self.world_size and not self.resampled:
+            log.warning("train has %d shards for %d ranks: some ranks read nothing", len(train), self.world_size)
         if train is not None and self.resampled and len(train) < self.world_size and "train" in splits:
             log.warning("train has %d shards for %d ranks: every rank draws from all of them, so ranks "
                         "read the same samples; give at least one shard per rank", len(train), self.world_size)
+
+    def _fit_the_encoder(self, encoder: ViTConfig | None) -> tuple[tuple[int, int], int]:
+        """(H, W) and channels of the images: as set, else the encoder's; a mismatch is an error."""
+        if encoder is None:
+            return self.image_size or (224, 224), self.channels or 3
+        wanted = {"image_size": pair(encoder.image_size), "channels": encoder.channels}
+        for name, value in (("image_size", self.image_size), ("channels", self.channels)):
+            if value is not None and value != wanted[name]:
+                raise ValueError(
+                    f"data.{name}={_plain(value)} does not fit the encoder's model.init_args.encoder.{name}="
+                    f"{_plain(wanted[name])}: leave data.{name} unset (it follows the encoder) or make the two equal")
+        return wanted["image_size"], wanted["channels"]
 
     def set_epoch(self, epoch: int, *, step: int = 0) -> None:
         """Choose the epoch that seeds shard order and augmentation, and the global step a training
@@ -318,4 +401,12 @@ class ShardDataModule(pl.LightningDataModule):
             resampled=resampled, seed=self.seed, allow_pipe=self.allow_pipe,
         )
         position = self._training_position if train else self._eval_position
-        return ShardLoader(stream, num_workers=self.num_workers, position=position, num_batches=num_batches)
+        return ShardLoader(stream, split=split, num_workers=self.num_workers, position=position,
+                           num_batches=num_batches, in_step=None if train else self._any_rank())
+
+    def _any_rank(self) -> Callable[[bool], bool] | None:
+        """For evaluation on several ranks: whether any rank still has a batch (see ShardLoader)."""
+        if self.world_size == 1 or self.trainer is None:
+            return None
+        strategy = self.trainer.strategy
+        return lambda has_batch: strategy.reduce_boolean_decision(has_batch, all=False)

@@ -128,8 +128,9 @@ class FewShotEvaluation(pl.Callback):
         train: labelled shards the n-shot examples are drawn from.
         test: labelled shards the accuracy is measured on.
         num_classes: K.
-        image_size: the encoder's input size.
-        channels: 1 or 3.
+        image_size: the images' size; null (the default): the module's encoder's. A size that
+            differs from the encoder's is an error naming both.
+        channels: 1 or 3; null: the encoder's, and checked like image_size.
         shots: n, the training examples per class.
         seeds: draws of the n examples, averaged.
         every_n_steps: how often to evaluate.
@@ -147,8 +148,8 @@ class FewShotEvaluation(pl.Callback):
         train: ShardSpec,
         test: ShardSpec,
         num_classes: int,
-        image_size: int | tuple[int, int],
-        channels: int = 3,
+        image_size: int | tuple[int, int] | None = None,
+        channels: int | None = None,
         shots: Sequence[int] = (1, 5, 10, 25),
         seeds: int = 3,
         every_n_steps: int = 1000,
@@ -181,7 +182,10 @@ class FewShotEvaluation(pl.Callback):
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError("FewShotEvaluation runs the encoder on rank zero alone, which FSDP's sharded "
                              "weights do not allow: use DDP or remove the callback")
-        self.data.setup(rank=0, world_size=1)
+        try:  # checked against, and completed from, the module's encoder, as the run's own data is
+            self.data.setup(rank=0, world_size=1, encoder=getattr(pl_module, "encoder_config", None))
+        except ValueError as error:
+            raise ValueError(f"FewShotEvaluation: {error}".replace("data.", "FewShotEvaluation.")) from None
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, float]:
         """Extract both feature sets with the current encoder, fit and score every n; log the results."""

@@ -99,16 +99,28 @@ def total_steps(trainer: pl.Trainer) -> int:
     return int(steps)
 
 
-def global_batch_size(trainer: pl.Trainer) -> int | None:
+def global_batch_size(trainer: pl.Trainer, data: object | None = None) -> int | None:
     """Samples per optimiser step over all ranks: nodes x devices x batch x accumulation (None if the
-    data module does not say its batch size)."""
-    batch = getattr(trainer.datamodule, "batch_size", None)
+    data module does not say its batch size).
+
+    `data` is the run's data module where the trainer does not hold it yet (Lightning attaches it
+    only once `fit` has started).
+    """
+    batch = getattr(data if data is not None else trainer.datamodule, "batch_size", None)
     return None if batch is None else trainer.world_size * batch * trainer.accumulate_grad_batches
 
 
 def logging_step(trainer: pl.Trainer) -> bool:
     """Whether the training step now running is one whose metrics go to the loggers."""
     return (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
+
+
+def log_nothing(module: pl.LightningModule, stage: str, names: list[str]) -> None:
+    """Log `<stage>/<name>` with weight 0 for a batch of no samples, so that every rank logs (and later
+    reduces) the same metrics while the metrics still count each real sample once."""
+    zero = torch.zeros((), device=module.device)
+    for name in names:
+        module.log(f"{stage}/{name}", zero, prog_bar=True, batch_size=0, sync_dist=True)
 
 
 def configure_optimizer(model: nn.Module, config: OptimizerConfig, total_steps: int,

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
 from mpp.guards import LossGuard, LossGuardCheck, Policy
 from mpp.images import Normalise, to_unit_range
-from mpp.optim import OptimizerConfig, configure_optimizer, global_batch_size, logging_step, total_steps
+from mpp.optim import (OptimizerConfig, configure_optimizer, global_batch_size, log_nothing, logging_step,
+                       total_steps)
 from mpp.targets import TargetConfig, prediction_accuracy, prediction_loss
 from mpp.vit import ViT, ViTConfig, pick
 
@@ -113,8 +114,12 @@ class MaskedPatchPretraining(pl.LightningModule):
         predictions = self.predict(representations)
         return MPPOutput(predictions, pick(targets, corrupted.positions), corrupted)
 
-    def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor:
+    def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor | None:
         images = batch["image"] if isinstance(batch, dict) else batch
+        if images.shape[0] == 0:  # a rank in step with those still evaluating (mpp.data.ShardLoader)
+            names = ["loss"] if self.target.kind == "pixels" else ["loss", "mpp_accuracy"]
+            log_nothing(self, stage, names)
+            return None
         output = self(to_unit_range(images))
         loss = prediction_loss(output.predictions, output.targets)
         batch_size = images.shape[0]
@@ -133,10 +138,10 @@ class MaskedPatchPretraining(pl.LightningModule):
     def training_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
         return self.loss_guard(self._step(batch, "train"), self.trainer)
 
-    def validation_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
+    def validation_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
         return self._step(batch, "val")
 
-    def test_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor:
+    def test_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
         return self._step(batch, "test")
 
     def on_validation_epoch_start(self) -> None:
@@ -154,7 +159,8 @@ class MaskedPatchPretraining(pl.LightningModule):
         """The baseline for `mpp_accuracy`: always predicting the most common target class."""
         counts = self.trainer.strategy.reduce(self.target_counts.float(), reduce_op="sum")
         if counts.sum() > 0:
-            self.log(f"{stage}/majority_accuracy", counts.max() / counts.sum())
+            # The same on every rank, reduced already: sync_dist only says so to Lightning.
+            self.log(f"{stage}/majority_accuracy", counts.max() / counts.sum(), sync_dist=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer),

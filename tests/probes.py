@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class RunProbe(pl.Callback):
         self.write(trainer, {
             "event": "start", "world_size": trainer.world_size, "global_step": trainer.global_step,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "initial_lr": [group["initial_lr"] for group in trainer.optimizers[0].param_groups],
             "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()["last_epoch"],
             "optimizer": digest(trainer.optimizers[0].state_dict()["state"]),
             "weights": digest(pl_module.state_dict()),
@@ -67,11 +69,39 @@ class RunProbe(pl.Callback):
         if trainer.global_step == self.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         self.write(trainer, {"event": "step", "global_step": trainer.global_step, "labels": batch["label"].tolist(),
-                             "lr": trainer.optimizers[0].param_groups[0]["lr"]})
+                             "lr": trainer.optimizers[0].param_groups[0]["lr"], "time": time.monotonic()})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.write(trainer, {"event": "end", "global_step": trainer.global_step, "weights": digest(pl_module.state_dict())})
 
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        stage = "sanity" if trainer.sanity_checking else "val"
+        self.write(trainer, {"event": stage, "global_step": trainer.global_step, "labels": batch["label"].tolist()})
+
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        self.write(trainer, {"event": "test", "labels": batch["label"].tolist()})
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write(trainer, {"event": "val_end", "global_step": trainer.global_step,
+                             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}})
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write(trainer, {"event": "test_end", "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}})
+
 
 def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+class Stall(pl.Callback):
+    """Holds one rank in its first validation batch for `seconds`, as a stuck rank would be."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if trainer.global_rank == self.rank and batch_idx == 0:
+            time.sleep(self.seconds)

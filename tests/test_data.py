@@ -11,6 +11,7 @@ import tarfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ from shardkit import (
 )
 
 from mpp import stream
-from mpp.data import ShardDataModule, WorkerDiedError
+from mpp.data import EmptyEpochError, ShardDataModule, WorkerDiedError
 from mpp.stream import resampled_share
 from mpp.transforms import ImageTransform
 
@@ -195,7 +196,8 @@ class _Recorder(pl.LightningModule):
 
 
 def _trainer(tmp_path: Path, **kw: object) -> pl.Trainer:
-    return pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+    kw.setdefault("max_epochs", 2)
+    return pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path, **kw)
 
 
@@ -313,6 +315,82 @@ def test_a_stream_with_nothing_readable_fails_instead_of_spinning(tmp_path: Path
     dm.setup("fit")
     with pytest.raises(RuntimeError, match="in a row were unreadable.*empty-000000.tar"):
         next(iter(dm.train_dataloader()))
+
+
+def test_an_epoch_with_nothing_readable_stops_the_run_naming_the_shards(tmp_path: Path) -> None:
+    """Not resampled, every shard unreadable: without the check, max_steps made Lightning start empty
+    epoch after empty epoch, forever."""
+    broken = [tmp_path / f"broken-{i:06d}.tar" for i in range(2)]
+    for path in broken:
+        path.write_bytes(b"this is not a tar archive" * 40)
+    dm = make([str(p) for p in broken], val=str(broken[0]))
+    with pytest.raises(EmptyEpochError, match=r"data\.train yielded no batch: its 2 shard\(s\) \(.*broken-000000\.tar"):
+        _trainer(tmp_path, max_epochs=None, max_steps=5, enable_checkpointing=False).fit(_Recorder(), datamodule=dm)
+    dm.setup("validate")
+    with pytest.raises(EmptyEpochError, match=r"data\.val yielded no batch"):
+        read_all(dm.val_dataloader())
+
+
+def test_a_worker_s_own_error_is_not_reported_as_a_death(tmp_path: Path) -> None:
+    """A worker that raises (here: nothing readable on a resampled stream) and then exits with the
+    loader is not a worker killed by the out-of-memory killer."""
+    broken = tmp_path / "broken-000000.tar"
+    broken.write_bytes(b"garbage" * 100)
+    stream._Skips.limit = 50
+    try:
+        for _ in range(2):
+            dm = make(str(broken), num_workers=2, resampled=True, samples_per_epoch=8)
+            dm.setup("fit")
+            with pytest.raises(RuntimeError) as error:
+                read_all(dm.train_dataloader())
+            assert not isinstance(error.value, WorkerDiedError), error.value
+            assert "in a row were unreadable" in str(error.value)
+    finally:
+        stream._Skips.limit = 1000
+
+
+def test_a_worker_error_with_an_exited_worker_is_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race seen 1 run in 8: the error arrives after a worker has exited; it is still the worker's own."""
+    from mpp import data
+
+    own = RuntimeError("Caught RuntimeError in DataLoader worker process 1.\nOriginal Traceback ...")
+
+    def failing() -> Iterator[dict]:
+        raise own
+        yield {}
+
+    whereabouts = stream.Whereabouts(2)
+    whereabouts.write(0, "shard-000000.tar", "")
+    monkeypatch.setattr(data, "_exited", lambda pids: set(pids))  # every worker has exited
+    with pytest.raises(RuntimeError) as error:
+        list(data._naming_deaths(failing(), whereabouts))
+    assert error.value is own
+
+
+@pytest.mark.parametrize("name, value", [("image_size", 16), ("channels", 1)])
+def test_data_that_does_not_fit_the_encoder_fails_before_training_naming_both_keys(shards: str, tmp_path: Path,
+                                                                                  name: str, value: int) -> None:
+    from mpp import MaskedPatchPretraining
+
+    model = MaskedPatchPretraining(encoder={"image_size": 8, "patch_size": 4, "channels": 3, "dim": 16, "depth": 1,
+                                            "heads": 2, "mlp_dim": 32}, optimizer={"name": "adamw", "lr": 1e-3})
+    dm = make(shards, **{"image_size": None, name: value})
+    wanted = {"image_size": 8, "channels": 3}[name]
+    with pytest.raises(ValueError, match=rf"data\.{name}={value} does not fit the encoder's "
+                                         rf"model\.init_args\.encoder\.{name}={wanted}"):
+        _trainer(tmp_path, max_steps=1, enable_checkpointing=False).fit(model, datamodule=dm)
+
+
+def test_unset_image_size_and_channels_follow_the_encoder(shards: str) -> None:
+    from mpp.vit import ViTConfig
+
+    dm = make(shards, image_size=None)
+    dm.setup("fit", rank=0, world_size=1, encoder=ViTConfig(image_size=(12, 8), patch_size=4, channels=1, dim=16,
+                                                            depth=1, heads=2, mlp_dim=32))
+    assert next(iter(dm.train_dataloader()))["image"].shape[1:] == (1, 12, 8)
+    alone = make(shards, image_size=None)
+    alone.setup("fit")
+    assert next(iter(alone.train_dataloader()))["image"].shape[1:] == (3, 224, 224)
 
 
 def test_unlabelled_samples_get_minus_one(tmp_path: Path) -> None:

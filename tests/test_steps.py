@@ -48,7 +48,9 @@ class SyncRecorder(pl.Callback):
     def record(self, what: str) -> None:
         if self.step is None:
             return
-        caller = traceback.extract_stack(limit=4)[0]
+        # Two frames above the patched call; dynamo's wrappers (once torch._dynamo is imported, every
+        # @torch._disable_dynamo function goes through one) are not callers.
+        caller = [f for f in traceback.extract_stack() if "_dynamo" not in Path(f.filename).parts][-4]
         # On CPU, Adam counts steps in host tensors; the fused AdamW used on GPUs keeps them on the device.
         if Path(caller.filename).parent.parts[-2:] == ("torch", "optim"):
             return

@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, Dataset
 from mpp import MaskedPatchPretraining, ShardDataModule
 from mpp.shards import WriteOptions, write_shards
 from mpp.sources import Source
+from mpp.vit import pair
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"demo": ROOT / "configs/pretrain/demo.yaml", "vit_b16": ROOT / "configs/pretrain/vit_b16.yaml"}
@@ -179,7 +180,7 @@ def fit_arms(model: MaskedPatchPretraining, run: dict[str, Any], *, shards: str,
     """The two arms: a fit of `model` on `shards` through ShardDataModule, and one on in-memory batches."""
     data_options = {**run["data"], "train": shards, "batch_size": batch, "num_workers": workers}
     data_options.pop("val", None)
-    image_size, channels = data_options["image_size"], data_options["channels"]
+    image_size, channels = pair(model.encoder_config.image_size)[0], model.encoder_config.channels
     if data_options.get("resampled"):
         batches_per_epoch = data_options["samples_per_epoch"] // batch
     else:
@@ -262,8 +263,8 @@ def main() -> None:
 
     device = "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     encoder = run["model"]["encoder"]
-    header = (f"{args.setting}: ViT dim {encoder['dim']} depth {encoder['depth']}, {run['data']['image_size']} px x "
-              f"{run['data']['channels']} ch, batch {batch}, {run['trainer'].get('precision', '32-true')}; shards: "
+    header = (f"{args.setting}: ViT dim {encoder['dim']} depth {encoder['depth']}, {encoder['image_size']} px x "
+              f"{encoder['channels']} ch, batch {batch}, {run['trainer'].get('precision', '32-true')}; shards: "
               f"{described}, {workers} workers{why}\ntorch {torch.__version__}, Lightning {pl.__version__}, {device}, "
               f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}\n"
               f"{args.steps} steps per fit, timed after step {args.warmup}; {args.repeats} fits per arm alternating; "

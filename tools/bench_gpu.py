@@ -124,7 +124,7 @@ def synchronize(device: torch.device) -> None:
 
 def smoke_run(run: dict[str, Any]) -> dict[str, Any]:
     """The vit_b16 run with a tiny encoder and small data, for a CPU check that everything runs."""
-    data = {**run["data"], "image_size": SMOKE_ENCODER["image_size"], "shuffle_buffer": 16}
+    data = {**run["data"], "shuffle_buffer": 16}
     return {**run, "model": {**run["model"], "encoder": SMOKE_ENCODER}, "data": data}
 
 
