@@ -1,0 +1,156 @@
+"""Every shipped run config, as a user runs it: `mpp fit --config configs/trainer/cpu.yaml --config
+<run config>` for 2 steps, changed only by overrides that shrink it (batch, samples per epoch,
+workers, compile off); fine-tuning starts from the checkpoint its pretraining run left where the
+config looks for it. The GPU trainer presets with each run config print their config and
+instantiate (with CUDA mocked: nothing runs on a device here). The first log lines must show the
+global batch and peak learning rate the config asks for, and the optimiser must use that rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import statistics
+from datetime import timedelta
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+from probes import records
+from workspace import ROOT, console_script, make_workspace, run
+
+# Pretraining first: the fine-tuning configs read its checkpoints.
+RUN_CONFIGS = [f"{kind}/{name}.yaml" for kind in ("pretrain", "scratch", "finetune") for name in ("demo", "vit_b16")]
+PRESETS = ["gpu", "ddp", "fsdp"]
+BATCH = 2
+
+
+def config_of(name: str) -> dict:
+    return yaml.safe_load((ROOT / "configs" / name).read_text())
+
+
+def shrink(name: str) -> list[str]:
+    """Overrides that make a run config a 2-step run here; nothing else changes."""
+    args = ["--data.batch_size", str(BATCH), "--data.num_workers", "0", "--trainer.max_steps", "2",
+            "--model.init_args.compile", "false", "--trainer.limit_val_batches", "2",
+            "--trainer.enable_progress_bar", "false"]
+    if config_of(name)["data"].get("resampled"):
+        args += ["--data.samples_per_epoch", str(4 * BATCH)]
+    return args
+
+
+def expected_batch_and_lr(name: str, *, batch: int = BATCH, devices: int = 1) -> tuple[int, float]:
+    """The global batch and peak lr the config's own numbers give with `batch` on each of `devices`."""
+    config = config_of(name)
+    total = devices * batch * config["trainer"].get("accumulate_grad_batches", 1)
+    optimizer = config["model"]["init_args"]["optimizer"]
+    reference = optimizer.get("reference_batch_size")
+    factor = 1.0 if reference is None else total / reference
+    if optimizer.get("lr_scaling") == "sqrt":
+        factor = math.sqrt(factor)
+    return total, optimizer["lr"] * factor
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each run config fitted 2 steps in one workspace, in RUN_CONFIGS order."""
+    folder = make_workspace(tmp_path_factory.mktemp("user"))
+    results = {}
+    for name in RUN_CONFIGS:
+        tag = name.replace("/", "-").removesuffix(".yaml")
+        probe = json.dumps({"class_path": "probes.RunProbe", "init_args": {"out": str(folder / "probe"), "tag": tag}})
+        result, seconds = run([console_script("mpp"), "fit", "--config", "configs/trainer/cpu.yaml", "--config",
+                               f"configs/{name}", *shrink(name), f"--trainer.callbacks+={probe}"], folder)
+        probe_records = records(folder / "probe" / f"{tag}-rank0.jsonl") if result.returncode == 0 else []
+        results[name] = {"result": result, "seconds": seconds, "records": probe_records, "folder": folder}
+    return results
+
+
+@pytest.mark.parametrize("name", RUN_CONFIGS)
+def test_every_run_config_fits_two_steps_on_the_cpu_preset(fits: dict[str, dict], name: str) -> None:
+    fit = fits[name]
+    assert fit["result"].returncode == 0, fit["result"].stderr[-4000:]
+    out = fit["result"].stdout + fit["result"].stderr
+    total, peak = expected_batch_and_lr(name)
+    accumulate = config_of(name)["trainer"].get("accumulate_grad_batches", 1)
+    match = re.search(r"mpp: global batch (\d+) = 1 node\(s\) x 1 device\(s\) x batch (\d+) x (\d+) accumulated; "
+                      r"peak lr ([0-9.e+-]+)", out)
+    assert match, out[:3000]
+    assert (int(match[1]), int(match[2]), int(match[3])) == (total, BATCH, accumulate)
+    assert float(match[4]) == pytest.approx(peak, rel=1e-3)
+    start, *steps = [r for r in fit["records"] if r["event"] in ("start", "step")]
+    assert start["initial_lr"] == pytest.approx([peak, peak]), "the optimiser's peak lr is not the printed one"
+    assert len(steps) == 2 * accumulate
+    root = Path(fit["folder"]) / config_of(name)["trainer"]["default_root_dir"]
+    saved = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 2
+    times = [b["time"] - a["time"] for a, b in zip(steps, steps[1:])]
+    print(f"{name}: {fit['seconds']:.0f} s in all, median {statistics.median(times):.2f} s per batch of {BATCH}")
+
+
+def test_a_finetune_config_starts_from_its_pretraining_run(fits: dict[str, dict]) -> None:
+    """configs/finetune/vit_b16.yaml fine-tunes at 384 px the 224 px encoder of the pretraining run."""
+    folder = fits["finetune/vit_b16.yaml"]["folder"]
+    pretrained = torch.load(folder / "runs/vit_b16_mpp/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
+    finetuned = torch.load(folder / "runs/vit_b16_finetune/checkpoints/last.ckpt", map_location="cpu",
+                           weights_only=True)
+    assert pretrained["encoder_config"]["image_size"] == 224 and finetuned["encoder_config"]["image_size"] == 384
+    key = "encoder.pos_embed"
+    assert pretrained["state_dict"][key].shape[1] == 1 + 14 * 14 and finetuned["state_dict"][key].shape[1] == 1 + 24 * 24
+
+
+def instantiate(*args: str) -> object:
+    """The CLI's model, data and trainer for `args`, built as on a machine with 8 GPUs, without running."""
+    import lightning_fabric.accelerators.cuda as fabric_cuda
+    import pytorch_lightning as pl
+    from pytorch_lightning.accelerators.cuda import CUDAAccelerator
+
+    from mpp.cli import MPPCLI
+    from mpp.data import ShardDataModule
+
+    with (mock.patch.object(fabric_cuda, "num_cuda_devices", return_value=8),
+          mock.patch.object(CUDAAccelerator, "is_available", return_value=True),
+          mock.patch("torch.cuda.is_available", return_value=True),
+          mock.patch("torch.cuda.device_count", return_value=8),
+          mock.patch("torch.cuda.is_bf16_supported", return_value=True)):
+        return MPPCLI(pl.LightningModule, ShardDataModule, subclass_mode_model=True, run=False,
+                      auto_configure_optimizers=False, parser_kwargs={"parser_mode": "omegaconf"}, args=list(args))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("name", RUN_CONFIGS)
+def test_every_gpu_preset_with_every_run_config_prints_and_instantiates(fits: dict[str, dict], name: str,
+                                                                       preset: str, monkeypatch) -> None:
+    from mpp.cli import main, run_summary
+    from mpp.strategies import BlockFSDPStrategy
+
+    monkeypatch.chdir(fits[name]["folder"])  # where the fine-tuning configs find their pretrained checkpoints
+    args = ["--config", f"configs/trainer/{preset}.yaml", "--config", f"configs/{name}"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as exit_:
+        main(["fit", *args, "--print_config"])
+    assert exit_.value.code in (0, None)
+    resolved = yaml.safe_load(printed.getvalue())
+    assert resolved["trainer"]["accelerator"] == "gpu", "the run config must leave the hardware to the preset"
+
+    cli = instantiate(*args, "--trainer.logger", "false")
+    trainer = cli.trainer
+    devices = 1 if preset == "gpu" else 8
+    assert trainer.num_devices == devices
+    strategy = {"gpu": "SingleDeviceStrategy", "ddp": "DDPStrategy", "fsdp": "BlockFSDPStrategy"}[preset]
+    assert type(trainer.strategy).__name__ == strategy
+    if preset == "ddp":
+        assert trainer.strategy._timeout == timedelta(minutes=30)
+    if preset == "fsdp":
+        assert isinstance(trainer.strategy, BlockFSDPStrategy)
+    precision = config_of(name)["trainer"].get("precision") or "bf16-mixed"
+    assert trainer.precision == precision
+    total, peak = expected_batch_and_lr(name, batch=config_of(name)["data"]["batch_size"], devices=devices)
+    summary = run_summary(trainer, cli.model, cli.datamodule)
+    assert f"global batch {total} = 1 node(s) x {devices} device(s)" in summary
+    assert float(re.search(r"peak lr ([0-9.e+-]+)", summary)[1]) == pytest.approx(peak, rel=1e-3)

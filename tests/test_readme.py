@@ -1,0 +1,295 @@
+"""The README's commands, taken from README.md itself and run as written in a user's folder, shrunk
+by overrides appended after them (later options win): every `mpp` and `python tools/...` line in
+order, the torchrun recipe as one node of 2 CPU processes (gloo) streaming from a local S3 server,
+and the SLURM recipe as 2 local processes carrying SLURM's environment, streaming from a local
+GCS server. `make` lines set up and run everything else (the suite itself, the 11-minute demo run
+by the slow test_demo.py), so they are only checked to exist in the Makefile.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import re
+import shlex
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from workspace import ROOT, console_script, environment, make_workspace, run
+
+README = (ROOT / "README.md").read_text()
+SHRINK = ["--data.batch_size", "2", "--data.num_workers", "0", "--trainer.max_steps", "2",
+          "--data.samples_per_epoch", "8", "--model.init_args.compile", "false", "--trainer.limit_val_batches", "2",
+          "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false"]
+BUCKET_SHARDS = 4  # the recipes' 4,096 shards, shrunk
+KNOWN = ("mpp", "python", "torchrun", "srun", "export", "make", "#SBATCH", "#!/bin/bash")
+
+
+def code_blocks(text: str) -> list[list[str]]:
+    """The README's fenced code blocks, each as its lines with backslash continuations joined."""
+    blocks = []
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M):
+        lines = re.sub(r"\\\n\s*", "", block).splitlines()
+        blocks.append([line.strip() for line in lines if line.strip()])
+    return blocks
+
+
+def commands(text: str) -> list[list[str]]:
+    """Every command line of every block, split as a shell would (comments dropped)."""
+    found = []
+    for block in code_blocks(text):
+        for line in block:
+            if line.startswith("#SBATCH") or line.startswith("#!"):
+                found.append(line.split())
+            elif not line.startswith("#") and line.split()[0] in KNOWN:
+                found.append(shlex.split(line, comments=True))
+    return found
+
+
+COMMANDS = commands(README)
+MPP = [c for c in COMMANDS if c[0] == "mpp"]
+TOOLS = [c for c in COMMANDS if c[0] == "python"]
+
+
+def test_every_readme_command_is_one_this_file_runs() -> None:
+    """A command added to the README without a way to run it here fails this test."""
+    lines = [line for block in code_blocks(README) if not block[0].startswith("mpp/")  # but the layout
+             for line in block if not line.startswith("#") or line.startswith("#SBATCH")]
+    assert not [line for line in lines if line.split()[0] not in KNOWN]
+    makefile = (ROOT / "Makefile").read_text()
+    for command in (c for c in COMMANDS if c[0] == "make"):
+        assert re.search(rf"^{command[1]}:", makefile, flags=re.M), f"make {command[1]} is not a Makefile target"
+    assert len(MPP) >= 10 and len(TOOLS) >= 7
+    assert sum(c[0] == "torchrun" for c in COMMANDS) == 1 and sum(c[0] == "srun" for c in COMMANDS) == 1
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The user's folder, with their own images where the README's examples look for them (~)."""
+    folder = make_workspace(tmp_path_factory.mktemp("user"))
+    rng = np.random.default_rng(0)
+    for index in range(12):
+        path = folder / "photos" / ("cat", "dog", "owl")[index % 3] / f"img{index}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (40, 30 + index, 3), dtype=np.uint8)).save(path)
+        unlabeled = folder / "unlabeled" / f"frame{index}.png"
+        unlabeled.parent.mkdir(exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (24, 24), dtype=np.uint8)).save(unlabeled)
+    cifar = folder / "cifar-10-batches-py"
+    cifar.mkdir()
+    with open(cifar / "batches.meta", "wb") as file:
+        pickle.dump({b"label_names": [b"plane", b"car"]}, file)
+    for name in ("data_batch_1", "test_batch"):
+        with open(cifar / name, "wb") as file:
+            pickle.dump({b"data": rng.integers(0, 256, (6, 3072), dtype=np.uint8), b"labels": [0, 1] * 3}, file)
+    idx = folder / "fashion-mnist-idx"  # Debian's files, small: the README line gets --dir here
+    idx.mkdir()
+    for stem, array in (("train-images-idx3-ubyte", rng.integers(0, 256, (20, 28, 28), dtype=np.uint8)),
+                        ("train-labels-idx1-ubyte", np.arange(20, dtype=np.uint8) % 10)):
+        header = bytes([0, 0, 8, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+        (idx / f"{stem}.gz").write_bytes(gzip.compress(header + array.tobytes()))
+    return folder
+
+
+def user_env(user: Path, **extra: str) -> dict[str, str]:
+    return environment(HOME=str(user), **extra)
+
+
+def checkpoint_step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+def slow_if_large(command: list[str]) -> object:
+    """ViT-L and larger fit in tens of seconds here: `make test-slow` runs them."""
+    large = any(re.fullmatch(r"configs/model/vit_[lh]\.yaml", c) for c in command)
+    return pytest.param(command, marks=pytest.mark.slow) if large else command
+
+
+@pytest.mark.parametrize("command", [slow_if_large(c) for c in MPP], ids=lambda c: " ".join(c)[:90])
+def test_readme_mpp_commands_run_as_written(user: Path, command: list[str]) -> None:
+    argv, redirect = list(command), None
+    if ">" in argv:
+        argv, redirect = argv[: argv.index(">")], argv[argv.index(">") + 1]
+    extra = list(SHRINK)
+    resume = "--ckpt_path" in argv and argv[argv.index("--ckpt_path") + 1] == "last"
+    if resume:
+        extra += ["--trainer.max_steps", "4"]  # two steps more than the run it resumes
+    if "configs/trainer/gpu.yaml" in argv:
+        extra += ["--trainer.accelerator", "cpu"]  # no GPU here; the README says so
+    result, seconds = run([console_script("mpp"), *argv[1:], *extra], user, env=user_env(user))
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = result.stdout + result.stderr
+    print(f"{' '.join(command)}: {seconds:.0f} s")
+    if redirect:
+        (user / redirect).write_text(result.stdout)
+        assert "class_path: mpp.MaskedPatchPretraining" in result.stdout
+        return
+    if argv[1] == "fit":
+        assert "mpp: global batch" in out and "mpp: checkpoint" in out
+    if "configs/model/vit_l.yaml" in argv:
+        assert "encoder 1024x24 (16 heads)" in out
+    if resume:
+        assert "Restoring states from the checkpoint" in out
+        assert checkpoint_step(user / "runs/demo/pretrain/checkpoints/last.ckpt") == 4
+    if argv[1] == "validate":
+        assert "val/mpp_accuracy" in out
+    if argv[1] == "test":
+        assert "test/accuracy" in out
+
+
+def tool_arguments(argv: list[str]) -> list[str]:
+    """The tiny-input changes a tool line needs here: Debian's FashionMNIST files are not installed."""
+    if "fashion-mnist" in argv and argv[1].endswith("make_shards.py"):
+        return ["--dir", "fashion-mnist-idx", "--limit", "20"]
+    if argv[1].endswith("fewshot.py"):
+        return ["--max-train", "500", "--max-test", "200", "--num-workers", "0"]
+    return []
+
+
+@pytest.mark.parametrize("command", TOOLS, ids=lambda c: " ".join(c)[:90])
+def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> None:
+    argv = [str(Path(c).expanduser()) if c.startswith("~") else c for c in command]
+    argv = [arg.replace(str(Path.home()), str(user)) for arg in argv]
+    result, _ = run([sys.executable, str(ROOT / argv[1]), *argv[2:], *tool_arguments(argv)], user,
+                    env=user_env(user))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    if argv[1].endswith("make_shards.py"):
+        out = Path(argv[argv.index("--out") + 1])
+        assert any((user / out).glob("*.json")), result.stdout
+    if "--holdout" in argv:
+        assert (user / "shards/photos-split/val.json").is_file() and (user / "shards/photos-split/train.json").is_file()
+    if argv[1].endswith("inspect_shards.py"):
+        assert "verified: 12 samples" in result.stdout
+    if argv[1].endswith("fewshot.py"):
+        assert "(500 train / 200 test images" in result.stdout and re.search(r"^\| 25 \| \d+\.\d%", result.stdout, re.M)
+
+
+@pytest.mark.parametrize("tool", sorted(p.name for p in (ROOT / "tools").glob("*.py")))
+def test_every_tool_says_how_to_use_it(tool: str, tmp_path: Path) -> None:
+    result, _ = run([sys.executable, str(ROOT / "tools" / tool), "--help"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage:")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def recipe(command: list[str], *, after: str) -> list[str]:
+    """The arguments of the `mpp` part of a recipe, from `after` on, shrunk to 1 node x 2 CPU processes."""
+    args = command[command.index(after) + 1:]
+    train = args[args.index("--data.train") + 1]
+    shrunk = re.sub(r"\{000000\.\.\d+\}", f"{{000000..{BUCKET_SHARDS - 1:06d}}}", train)
+    return [*args, "--trainer.num_nodes", "1", "--trainer.devices", "2", "--trainer.accelerator", "cpu", *SHRINK,
+            "--data.train", shrunk]
+
+
+def bucket_keys(command: list[str]) -> tuple[str, list[str]]:
+    """(bucket, object names) of a recipe's shrunk --data.train URL."""
+    url = command[command.index("--data.train") + 1]
+    bucket, _, path = url.split("://", 1)[1].partition("/")
+    folder, name = path.rsplit("/", 1)
+    prefix = name.split("-{", 1)[0]
+    return bucket, [f"{folder}/{prefix}-{i:06d}.tar" for i in range(BUCKET_SHARDS)]
+
+
+def shard_bytes(user: Path, index: int) -> bytes:
+    return (user / "shards" / "my-images" / f"train-{index:06d}.tar").read_bytes()
+
+
+@pytest.fixture
+def s3(user: Path) -> Iterator[dict[str, str]]:
+    """A local S3 server holding the torchrun recipe's bucket, and the AWS profile the recipe exports."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    (user / ".aws").mkdir(exist_ok=True)
+    (user / ".aws" / "config").write_text(f"[profile training]\nregion = us-east-1\nendpoint_url = {endpoint}\n")
+    (user / ".aws" / "credentials").write_text("[training]\naws_access_key_id = testing\n"
+                                               "aws_secret_access_key = testing\n")
+    torchrun = next(c for c in COMMANDS if c[0] == "torchrun")
+    bucket, keys = bucket_keys(recipe(torchrun, after="fit"))
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    client.create_bucket(Bucket=bucket)
+    for index, key in enumerate(keys):
+        client.put_object(Bucket=bucket, Key=key, Body=shard_bytes(user, index))
+    yield {"AWS_CONFIG_FILE": str(user / ".aws" / "config"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(user / ".aws" / "credentials")}
+    server.stop()
+
+
+def test_readme_torchrun_recipe_on_one_node_of_two_cpu_processes(user: Path, s3: dict[str, str]) -> None:
+    exported = dict(c[1].split("=", 1) for c in COMMANDS if c[0] == "export")
+    command = next(c for c in COMMANDS if c[0] == "torchrun")
+    launcher = command[1: command.index("-m")]
+    values = {"--nnodes": "1", "--nproc-per-node": "2", "--node-rank": "0", "--master-addr": "127.0.0.1",
+              "--master-port": str(free_port())}
+    for index, arg in enumerate(launcher):
+        if arg in values:
+            launcher[index + 1] = values[arg]
+    argv = [console_script("torchrun"), *launcher, "-m", "mpp.cli", "fit", *recipe(command, after="fit")]
+    result, seconds = run(argv, user, env=user_env(user, **exported, **s3))
+    assert result.returncode == 0, result.stderr[-5000:]
+    out = result.stdout + result.stderr
+    print(f"torchrun recipe: {seconds:.0f} s")
+    assert "world size 2 (1 node(s) x 2 device(s))" in out
+    assert "global batch 4 = 1 node(s) x 2 device(s) x batch 2 x 1 accumulated; peak lr 1.953e-07" in out
+    assert checkpoint_step(user / "runs/vit_b16_mpp/checkpoints/last.ckpt") == 2
+
+
+@pytest.fixture
+def gcs(user: Path) -> Iterator[dict[str, str]]:
+    """A local GCS server holding the SLURM recipe's bucket."""
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read as gcsfs is imported: no gRPC probe
+    import gcsfs
+    from gcp_storage_emulator.server import create_server
+
+    srun = next(c for c in COMMANDS if c[0] == "srun")
+    bucket, keys = bucket_keys(recipe(srun, after="fit"))
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket=bucket)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    fs = gcsfs.GCSFileSystem(endpoint_url=endpoint, token="anon", skip_instance_cache=True)
+    for index, key in enumerate(keys):
+        fs.pipe(f"{bucket}/{key}", shard_bytes(user, index))
+    yield {"STORAGE_EMULATOR_HOST": endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    server.stop()
+
+
+def test_readme_slurm_recipe_as_two_local_tasks(user: Path, gcs: dict[str, str]) -> None:
+    sbatch = {c[1]: c[2] for c in COMMANDS if c[0] == "#SBATCH" and len(c) > 2}
+    assert sbatch["--nodes"] == "4" and sbatch["--ntasks-per-node"] == "8"  # shrunk to 1 node x 2 tasks below
+    command = next(c for c in COMMANDS if c[0] == "srun")
+    assert command[1] == "mpp"
+    # The recipe resumes (`--ckpt_path last`), as a requeued job does: from the torchrun recipe's run.
+    argv = [console_script("mpp"), "fit", *recipe(command, after="fit"), "--trainer.max_steps", "4"]
+    port = str(free_port())
+    tasks = []
+    for rank in range(2):
+        slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+                 "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_JOB_NAME": "mpp",
+                 "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": port}
+        tasks.append(subprocess.Popen(argv, cwd=user, env=user_env(user, **slurm, **gcs), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [task.communicate(timeout=400)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "world size 2 (1 node(s) x 2 device(s))" in outputs[0]
+    assert "Restored all states from the checkpoint" in outputs[0]
+    assert checkpoint_step(user / "runs/vit_b16_mpp/checkpoints/last.ckpt") == 4

@@ -1,0 +1,61 @@
+"""A user's folder for whole-run tests: the project's configs and embedded shards, plus tiny shards
+at every path the shipped configs and the README name, so their commands run unchanged there.
+
+Commands run with this folder as their working directory, so every relative path they write
+(`runs/...`, `shards/...`, `my_run.yaml`) lands inside it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shardkit import sample, write_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).parent
+
+# Shard sets the shipped configs and README name by default: (folder, prefix, shards, labelled).
+DEFAULT_SHARDS = [("my-images", "train", 1024, False), ("imagenet", "train", 1024, True),
+                  ("imagenet", "val", 64, True)]
+
+
+def make_workspace(folder: Path) -> Path:
+    """`folder` set up as the project's checkout, with the default shard sets of the ViT-B/16 configs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "configs").symlink_to(ROOT / "configs")
+    (folder / "shards").mkdir()
+    (folder / "shards" / "fashion-mnist").symlink_to(ROOT / "shards" / "fashion-mnist")
+    for name, prefix, count, labelled in DEFAULT_SHARDS:
+        target = folder / "shards" / name
+        target.mkdir(exist_ok=True)
+        for index in range(count):  # one tiny photo each: the configs' crops upscale it
+            write_shard(target / f"{prefix}-{index:06d}.tar", [sample(index, labelled=labelled, size=(20, 16))])
+    return folder
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """The environment of a run: W&B offline, no credentials of this machine, the tests' probes importable."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(("WANDB_", "AWS_", "SLURM_", "GOOGLE_"))}
+    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
+    env.update(extra)
+    return env
+
+
+def console_script(name: str) -> str:
+    """An installed console script (`mpp`, `torchrun`) of this environment."""
+    return str(Path(sys.executable).parent / name)
+
+
+def run(argv: list[str], cwd: Path, *, env: dict[str, str] | None = None, timeout: float = 400
+        ) -> tuple[subprocess.CompletedProcess, float]:
+    """Run a command in the workspace -> (result, seconds)."""
+    start = time.monotonic()
+    result = subprocess.run(argv, cwd=cwd, env=env or environment(), capture_output=True, text=True,
+                            timeout=timeout)
+    return result, time.monotonic() - start
