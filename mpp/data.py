@@ -6,6 +6,8 @@ A batch is a dict:
     "skipped": int64 (), samples dropped since the worker's previous batch (undecodable
                image, one over max_image_pixels, no image member, a tar that broke off:
                one each); summed over batches, the total.
+In evaluation on several ranks, B is 0 for the batches a rank runs while it waits, in step,
+for the ranks that still have samples (ShardLoader); modules log nothing for them.
 
 Shards are split over ranks (rank and world size from the trainer) and then over DataLoader
 workers. Without `resampled`, each sample is read once per epoch across all ranks x workers;
