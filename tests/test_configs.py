@@ -25,8 +25,13 @@ from probes import records
 from workspace import ROOT, console_script, make_workspace, run
 
 # Pretraining first: the fine-tuning configs read its checkpoints.
-RUN_CONFIGS = [f"{kind}/{name}.yaml" for kind in ("pretrain", "scratch", "finetune") for name in ("demo", "vit_b16")]
-PRESETS = ["gpu", "ddp", "fsdp"]
+RUN_CONFIGS = ["pretrain/demo.yaml", "pretrain/vit_b16.yaml", "scratch/demo.yaml", "scratch/vit_b16.yaml",
+               "finetune/demo.yaml", "finetune/vit_b16.yaml"]
+PRESETS = ["gpu", "ddp", "fsdp"]  # configs/trainer/gpu.yaml, configs/trainer/ddp.yaml, configs/trainer/fsdp.yaml
+# Size presets; ViT-L and ViT-H (303M and 631M parameters) take minutes a step here: `make test-slow`.
+MODEL_PRESETS = ["configs/model/vit_ti.yaml", "configs/model/vit_s.yaml", "configs/model/vit_b.yaml",
+                 pytest.param("configs/model/vit_l.yaml", marks=pytest.mark.slow),
+                 pytest.param("configs/model/vit_h.yaml", marks=pytest.mark.slow)]
 BATCH = 2
 
 
@@ -154,3 +159,15 @@ def test_every_gpu_preset_with_every_run_config_prints_and_instantiates(fits: di
     summary = run_summary(trainer, cli.model, cli.datamodule)
     assert f"global batch {total} = 1 node(s) x {devices} device(s)" in summary
     assert float(re.search(r"peak lr ([0-9.e+-]+)", summary)[1]) == pytest.approx(peak, rel=1e-3)
+
+
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+def test_every_size_preset_fits_a_step_in_the_vit_b16_recipe(tmp_path: Path, preset: str) -> None:
+    """`--model.encoder <preset>` as the README writes it, at 32 px so one step is quick."""
+    folder = make_workspace(tmp_path / "user")
+    result, _ = run([console_script("mpp"), "fit", "--config", "configs/trainer/cpu.yaml", "--config",
+                     "configs/pretrain/vit_b16.yaml", "--model.encoder", preset, *shrink("pretrain/vit_b16.yaml"),
+                     "--model.init_args.encoder.image_size", "32", "--trainer.max_steps", "1"], folder)
+    assert result.returncode == 0, result.stderr[-4000:]
+    size = yaml.safe_load((ROOT / preset).read_text())
+    assert f"encoder {size['dim']}x{size['depth']} ({size['heads']} heads), 16 px patches of 32 px images" in result.stdout
