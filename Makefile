@@ -12,7 +12,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 BENCH_VENV  ?= .venv-bench
 BENCH_TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test test-slow bench clean
+.PHONY: install demo test test-slow bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install "$(TORCH)"
 	$(PIP) install -e ".[test]"
 	touch $@
+
+# Only set up the environment, e.g. in another place: `make install VENV=/tmp/venv`.
+install: $(VENV)/.installed
 
 # Pretrain a small ViT on the embedded FashionMNIST shards, then fine-tune it next to the same
 # classifier trained from scratch, and print the comparison (minutes on two CPU cores).
