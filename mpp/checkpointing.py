@@ -5,11 +5,15 @@ into place. Where that folder is on another filesystem (a tmpfs /tmp, a containe
 disk) the move is a copy, and a kill during the copy leaves a truncated `last.ckpt` in place
 of the good one. Here the bytes go to a hidden file next to the target, are flushed to disk,
 and replace the target in one rename, which POSIX makes atomic within a folder.
+
+A checkpoint given to resume from is checked first: a file torch cannot load stops the run with
+its name, not with the unpickler's KeyError.
 """
 
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ import torch
 from lightning_fabric.utilities.cloud_io import get_filesystem
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from mpp.errors import ConfigError
 from mpp.secrets import redact_tree
 
 _HYPERPARAMETERS = ("hyper_parameters", "datamodule_hyper_parameters")
@@ -63,3 +68,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         atomic_torch_save(checkpoint, str(path).removeprefix("file://"))
+
+
+def check_checkpoint(path: Any) -> None:
+    """A `--ckpt_path` that is a local file must be one torch can load, or the run stops naming it."""
+    if not isinstance(path, (str, os.PathLike)) or str(path) in ("last", "best", "hpc", "registry") or "://" in str(path):
+        return
+    file = Path(path)
+    if not file.exists():
+        raise ConfigError(f"--ckpt_path {file} does not exist; give a .ckpt file, or `last` to resume "
+                          "from the run folder's last checkpoint")
+    if file.is_dir():
+        raise ConfigError(f"--ckpt_path {file} is a folder; give a .ckpt file in it, or `last`")
+    with open(file, "rb") as stream:
+        head = stream.read(4)
+    if not (zipfile.is_zipfile(file) or head[:1] == b"\x80"):  # torch.save: a zip archive, or a legacy pickle
+        raise ConfigError(f"--ckpt_path {file} is not a checkpoint (a file written by torch.save, such as "
+                          "checkpoints/last.ckpt); give a .ckpt file, or `last`")

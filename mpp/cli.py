@@ -12,19 +12,25 @@ from __future__ import annotations
 import logging
 import netrc
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import pytorch_lightning as pl
-from pytorch_lightning.cli import LightningCLI, SaveConfigCallback
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.plugins.io import CheckpointIO
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from tqdm.auto import tqdm
 
 from mpp.callbacks import RankFailure
-from mpp.checkpointing import AtomicCheckpointIO
+from mpp.checkpointing import AtomicCheckpointIO, check_checkpoint
+from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data import ShardDataModule
+from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.optim import global_batch_size
 from mpp.secrets import RedactingFilter, redact, redact_tree
 
@@ -90,6 +96,23 @@ class MPPCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(RankFailure())
         return trainer
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is not None:  # before Lightning reads the checkpoint's hyperparameters
+            check_checkpoint(self.config[subcommand].get("ckpt_path"))
+
+    def instantiate_classes(self) -> None:
+        """Build the configured objects; a value they refuse is a config error (exit code 2)."""
+        try:
+            super().instantiate_classes()
+        except Exception as error:
+            raise ConfigError(explain(error)) from error
+
+    def after_instantiate_classes(self) -> None:
+        super().after_instantiate_classes()
+        quiet_wandb(self.trainer.loggers)
 
     def before_fit(self) -> None:
         self.trainer.print(redact(run_summary(self.trainer, self.model, self.datamodule)))
@@ -181,22 +204,53 @@ def redact_logs() -> None:
             handler.addFilter(RedactingFilter())
 
 
+def end_progress_bars() -> None:
+    """Close the progress bars a failed run left open, so that what follows starts a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the `mpp` console script."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    """Entry point of the `mpp` console script: a failure ends in one line and an exit code."""
+    argv = list(sys.argv[1:] if args is None else args)
+    debug = debugging(argv)
+    argv = [arg for arg in argv if arg != "--traceback"]
+    if args is None:  # LightningCLI reads the command line itself, and warns when also given it
+        sys.argv[1:] = argv
+    quiet_console(debug=debug)
     redact_logs()
-    keep_arguments_out_of_wandb([*sys.argv, *(args or [])])
+    keep_arguments_out_of_wandb([*sys.argv, *argv])
     choose_wandb_mode()
-    MPPCLI(
-        pl.LightningModule,
-        ShardDataModule,
-        subclass_mode_model=True,
-        save_config_callback=LoggedConfig,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"parser_mode": "omegaconf"},
-        auto_configure_optimizers=False,
-        args=args,
-    )
+    try:
+        MPPCLI(
+            pl.LightningModule,
+            ShardDataModule,
+            subclass_mode_model=True,
+            save_config_callback=LoggedConfig,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"parser_mode": "omegaconf", "exit_on_error": False, "description": introduction(),
+                           "formatter_class": Introduced},
+            auto_configure_optimizers=False,
+            args=None if args is None else argv,
+        )
+    except SIGTERMException as stop:  # Lightning stops between steps after a SIGTERM, with exit code 0
+        end_progress_bars()
+        print("mpp: stopped by SIGTERM; resume with --ckpt_path last", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM) from stop
+    except Exception as error:
+        if debug:
+            raise
+        rank = getattr(rank_zero_only, "rank", 0)
+        where = f" (rank {rank})" if rank else ""
+        end_progress_bars()
+        print(redact(f"mpp: error{where}: {explain(error)}"), file=sys.stderr, flush=True)
+        raise SystemExit(exit_code(error)) from None
+    except KeyboardInterrupt as error:
+        if debug:
+            raise
+        end_progress_bars()
+        print(f"mpp: {explain(error)}", file=sys.stderr, flush=True)
+        raise SystemExit(exit_code(error)) from None
 
 
 if __name__ == "__main__":

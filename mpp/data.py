@@ -4,8 +4,8 @@ A batch is a dict:
     "image":   uint8 (B, C, H, W), raw pixels (the model normalises them itself)
     "label":   int64 (B,), -1 for samples without a `.cls` member
     "skipped": int64 (), samples dropped since the worker's previous batch (undecodable
-               image, one over max_image_pixels, no image member, a tar that broke off:
-               one each); summed over batches, the total.
+               image, one over max_image_pixels, no image member, a tar that broke off,
+               a tar without members: one each); summed over batches, the total.
 In evaluation on several ranks, B is 0 for the batches a rank runs while it waits, in step,
 for the ranks that still have samples (ShardLoader); modules log nothing for them.
 
@@ -37,6 +37,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from mpp.errors import ConfigError, RunStopped, stop_signal
 from mpp.secrets import redact, redact_tree
 from mpp.storage import expand_urls
 from mpp.stream import Batch, Position, ShardStream, Whereabouts, fold_skip_only_batches
@@ -151,7 +152,7 @@ def _naming_deaths(batches: Iterator[Batch], whereabouts: Whereabouts) -> Iterat
     """
     try:
         yield from batches
-    except WorkerDiedError:
+    except (WorkerDiedError, RunStopped):
         raise
     except (RuntimeError, OSError) as error:
         if _raised_in_worker(error):  # the worker's own error, passed on by torch: not a death
@@ -220,16 +221,24 @@ def _exited(pids: Iterable[int]) -> set[int]:
     return gone
 
 
-def _died(error: BaseException, positions: list[Position], dead: set[int]) -> WorkerDiedError:
-    """The error naming where each dead worker was; torch's words for how it died are kept."""
+def _died(error: BaseException, positions: list[Position], dead: set[int]) -> WorkerDiedError | RunStopped:
+    """The error naming where each dead worker was; torch's words for how it died are kept. A worker
+    stopped by SIGTERM, SIGINT or SIGHUP was not killed for memory: the run was asked to stop."""
     cause, seen = error, set()
     while cause is not None and id(cause) not in seen:  # the handler's error, below torch's "exited"
-        if isinstance(cause, WorkerDiedError):
+        if isinstance(cause, WorkerDiedError):  # a fresh error: raising `cause` from `error` would loop the chain
             return WorkerDiedError(str(cause))
+        if isinstance(cause, RunStopped):
+            return RunStopped(str(cause), cause.signum)
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     known = {p.pid: p.describe() for p in positions}
     where = "; ".join(known.get(pid, f"pid {pid}, which had not opened a shard") for pid in sorted(dead))
+    signum = stop_signal(str(error))
+    if signum is not None:  # sent to the whole process group: a scheduler's stop, `kill`, Ctrl-C
+        return RunStopped(redact(
+            f"the run was stopped by {signal.Signals(signum).name}, which also stopped its DataLoader workers "
+            f"({where}); resume with --ckpt_path last"), signum)
     return WorkerDiedError(redact(
         f"a DataLoader worker died: {where}. {type(error).__name__}: {str(error).rstrip()} If it was killed "
         "(often by the out-of-memory killer), use fewer workers or a smaller shuffle_buffer; if it crashed, "
@@ -336,7 +345,10 @@ class ShardDataModule(pl.LightningDataModule):
         splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage or "", self.specs)
         for split in splits:
             if self.specs[split] is not None:
-                self.urls[split] = expand_urls(self.specs[split], allow_pipe=self.allow_pipe)
+                try:
+                    self.urls[split] = expand_urls(self.specs[split], allow_pipe=self.allow_pipe)
+                except (OSError, ValueError) as error:
+                    raise ConfigError(redact(f"data.{split}: {error}")) from error
         train = self.urls.get("train")
         if train is not None and self.world_size > 1 and not self.resampled:
             log.warning("training on %d ranks without resampled=True: ranks may get unequal batch counts, "

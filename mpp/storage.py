@@ -26,6 +26,7 @@ import glob
 import http.client
 import io
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -92,10 +93,34 @@ def _checked(url: str, item: str, allow_pipe: bool) -> list[str]:
         if not matches:
             raise FileNotFoundError(f"shard pattern {item!r} matches no file{_relative(path)}")
         return matches
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"shard {path} is a folder, not a tar file: {folder_patterns(path)}")
     if not os.path.isfile(path):
         origin = "" if item == url else f" (from {item!r})"
         raise FileNotFoundError(f"shard {path}{origin} does not exist{_relative(path)}")
     return [path]
+
+
+def folder_patterns(folder: str) -> str:
+    """What to give instead of a folder: a brace pattern for each run of numbered tars in it."""
+    runs: dict[tuple[str, str], list[str]] = {}
+    for name in sorted(os.listdir(folder)):
+        if match := re.fullmatch(r"(.*?)(\d+)(\.tar|\.tar\.gz|\.tgz)", name):
+            runs.setdefault((match.group(1), match.group(3)), []).append(match.group(2))
+    if not runs:
+        return "it holds no numbered .tar shards; give a path, a brace pattern or a glob of tar files"
+    base = folder.rstrip("/")
+    patterns = []
+    for (prefix, suffix), numbers in runs.items():
+        numbered = [int(n) for n in numbers]
+        contiguous = numbered == list(range(numbered[0], numbered[0] + len(numbered)))
+        if len(numbers) == 1:
+            patterns.append(f"'{base}/{prefix}{numbers[0]}{suffix}'")
+        elif contiguous and len({len(n) for n in numbers}) == 1:
+            patterns.append(f"'{base}/{prefix}{{{numbers[0]}..{numbers[-1]}}}{suffix}'")
+        else:
+            patterns.append(f"'{base}/{prefix}*{suffix}'")
+    return "give its shards as a pattern, e.g. " + " or ".join(patterns)
 
 
 def _relative(path: str) -> str:

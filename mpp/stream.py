@@ -76,19 +76,25 @@ class ShardStream(IterableDataset):
         rng = random.Random(f"{self.seed}/{self.epoch}/{self.start_step}/{self.rank}/{worker}")
         skips = _Skips()
         trail = _Trail(self.whereabouts, worker)
-        samples = _tar_samples(self._shard_order(rng, worker, num_workers), skips, self.allow_pipe, trail)
+        samples = _tar_samples(self._shard_order(rng, worker, num_workers, skips), skips, self.allow_pipe, trail)
         if self.shuffle_buffer > 1:
             samples = webdataset.filters.shuffle(self.shuffle_buffer, initial=min(100, self.shuffle_buffer),
                                                  rng=rng)(samples)
         shape = (self.transform.channels, *self.transform.size)
         return _batches(_decoded(samples, self.transform, rng, skips, trail), self.batch_size, skips, shape)
 
-    def _shard_order(self, rng: random.Random, worker: int, num_workers: int) -> Iterator[str]:
-        """Shard URLs for this rank and worker: an endless random draw, or this epoch's share."""
+    def _shard_order(self, rng: random.Random, worker: int, num_workers: int, skips: _Skips) -> Iterator[str]:
+        """Shard URLs for this rank and worker: an endless random draw, or this epoch's share.
+
+        An endless draw from shards that all turned out to hold no sample would never yield a
+        batch: it stops with an error naming them once every shard of its share has been seen empty.
+        """
         if self.resampled:
             share = resampled_share(self.urls, rank=self.rank, world_size=self.world_size, worker=worker,
                                     num_workers=num_workers)
             while True:
+                if skips.empty_shards.issuperset(share):
+                    raise EmptyShardsError(redact(_empty_message(share)))
                 yield rng.choice(share)
         urls = list(self.urls)
         if self.shard_shuffle:
@@ -96,6 +102,16 @@ class ShardStream(IterableDataset):
             # the epoch alone, so an epoch resumed at a later step rereads the same shards.
             random.Random(f"{self.seed}/{self.epoch}").shuffle(urls)
         yield from urls[self.rank :: self.world_size][worker::num_workers]
+
+
+class EmptyShardsError(RuntimeError):
+    """Every shard a resampled stream draws from holds no sample."""
+
+
+def _empty_message(share: Sequence[str]) -> str:
+    shown = ", ".join(share[:3]) + (f" and {len(share) - 3} more" if len(share) > 3 else "")
+    return (f"every shard this stream draws from is empty (a tar with no members): {shown}; there is nothing to "
+            "train on. Check them with `python tools/inspect_shards.py <shards>`")
 
 
 class _Skips:
@@ -110,6 +126,7 @@ class _Skips:
 
     def __init__(self) -> None:
         self.count = self.streak = 0
+        self.empty_shards: set[str] = set()  # shards that were whole tars without a member
 
     def add(self, what: str, error: BaseException) -> None:
         self.count += 1
@@ -143,6 +160,9 @@ def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: _T
             for sample in iter_samples(stream):
                 last = sample["__key__"]
                 yield {**sample, "__url__": url}
+            if last is None and url not in skips.empty_shards:
+                skips.empty_shards.add(url)
+                skips.add(f"shard {url}", EOFError("the tar holds no member"))
         except ShardOpenError:
             raise  # the storage, not the shard, failed and its retries are spent: stop, naming the URL
         except MemberOrderError as error:  # labels parted from images: a wrong result, not a skip

@@ -6,6 +6,7 @@ import io
 import logging
 import os
 import random
+import re
 import signal
 import tarfile
 import threading
@@ -31,6 +32,7 @@ from shardkit import (
 
 from mpp import stream
 from mpp.data import EmptyEpochError, ShardDataModule, WorkerDiedError
+from mpp.errors import ConfigError, RunStopped, exit_code
 from mpp.stream import resampled_share
 from mpp.transforms import ImageTransform
 
@@ -289,6 +291,49 @@ def test_a_worker_killed_while_decoding_names_its_shard_and_sample(shards: str,
         read_all(dm.train_dataloader())
 
 
+def test_a_worker_stopped_by_sigterm_is_a_stopped_run_not_a_death(shards: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler's stop or `kill` reaches the whole process group, workers included: the run was
+    asked to stop, and the out-of-memory advice would send the user the wrong way."""
+    decode = ImageTransform.__call__
+
+    def stopped_on_sample_13(self: ImageTransform, data: bytes, rng: random.Random) -> np.ndarray:
+        if Image.open(io.BytesIO(data)).getpixel((0, 0))[:2] == (13, 0):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return decode(self, data, rng)
+
+    monkeypatch.setattr(ImageTransform, "__call__", stopped_on_sample_13)
+    dm = make(shards, num_workers=2, shuffle_buffer=0)
+    dm.setup("fit")
+    with pytest.raises(RunStopped, match=r"^the run was stopped by SIGTERM, which also stopped its DataLoader workers "
+                                         r"\(worker \d \(pid \d+\) reading shard \S*train-000004\.tar, decoding sample "
+                                         r"sample000013\); resume with --ckpt_path last$") as stopped:
+        read_all(dm.train_dataloader())
+    assert stopped.value.signum == signal.SIGTERM and exit_code(stopped.value) == 143
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resampled_stream_of_empty_tars_stops_naming_them(tmp_path: Path, num_workers: int) -> None:
+    """Whole tars without a member: before, the endless draw reopened them forever at `Epoch 0: 0/5`."""
+    for index in range(2):
+        tarfile.open(tmp_path / f"empty-{index:06d}.tar", "w").close()
+    dm = make(str(tmp_path / "empty-{000000..000001}.tar"), num_workers=num_workers, resampled=True,
+              samples_per_epoch=8)
+    dm.setup("fit")
+    with pytest.raises(stream.EmptyShardsError, match=r"every shard this stream draws from is empty \(a tar with no "
+                                                      r"members\): \S*empty-00000\d\.tar"):
+        next(iter(dm.train_dataloader()))
+
+
+def test_empty_tars_among_good_ones_are_counted_as_skips(shards: str, tmp_path: Path) -> None:
+    empty = tmp_path / "empty-000000.tar"
+    tarfile.open(empty, "w").close()
+    dm = make([shards, str(empty)], shard_shuffle=False)
+    dm.setup("fit")
+    labels, skipped, _ = read_all(dm.train_dataloader())
+    assert sorted(labels) == list(range(24)) and skipped == 1
+
+
 def test_a_worker_killed_while_the_main_process_trains_names_its_shard(shards: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # torch reports a dead worker from its SIGCHLD handler, wherever the main thread is: here
@@ -402,10 +447,14 @@ def test_unlabelled_samples_get_minus_one(tmp_path: Path) -> None:
 
 def test_missing_or_empty_shard_specs_fail_naming_them(shards: str, tmp_path: Path) -> None:
     missing = str(tmp_path / "train-{000000..000001}.tar")
-    with pytest.raises(FileNotFoundError, match="train-000000.tar"):
+    with pytest.raises(ConfigError, match=r"^data\.train: shard .*train-000000.tar .*does not exist"):
         make(missing).setup("fit")
-    with pytest.raises(FileNotFoundError, match="nothing-"):
+    with pytest.raises(ConfigError, match="^data.train: shard pattern .*nothing-"):
         make(str(tmp_path / "nothing-*.tar")).setup("fit")
+    folder = Path(shards).parent
+    with pytest.raises(ConfigError, match=re.escape(f"data.train: shard {folder} is a folder, not a tar file: give "
+                                                    f"its shards as a pattern, e.g. '{folder}/train-{{000000..000007}}.tar'")):
+        make(str(folder)).setup("fit")
     with pytest.raises(ValueError, match="empty"):
         make([]).setup("fit")
     with pytest.raises(ValueError, match="'train'"):

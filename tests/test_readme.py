@@ -43,10 +43,25 @@ def code_blocks(text: str) -> list[list[str]]:
     return blocks
 
 
+def transcripts(text: str) -> list[tuple[list[str], str]]:
+    """The console transcripts (blocks whose lines start with `$ `): each command and the last line it prints."""
+    found: list[tuple[list[str], list[str]]] = []
+    for block in code_blocks(text):
+        if block[0].startswith("$ "):
+            for line in block:
+                if line.startswith("$ "):
+                    found.append((shlex.split(line[2:]), []))
+                elif line != "...":  # lines left out
+                    found[-1][1].append(line)
+    return [(command, output[-1]) for command, output in found]
+
+
 def commands(text: str) -> list[list[str]]:
     """Every command line of every block, split as a shell would (comments dropped)."""
     found = []
     for block in code_blocks(text):
+        if block[0].startswith("$ "):
+            continue  # a transcript: see transcripts()
         for line in block:
             if line.startswith("#SBATCH") or line.startswith("#!"):
                 found.append(line.split())
@@ -62,7 +77,7 @@ TOOLS = [c for c in COMMANDS if c[0] == "python"]
 
 def test_every_readme_command_is_one_this_file_runs() -> None:
     """A command added to the README without a way to run it here fails this test."""
-    lines = [line for block in code_blocks(README) if not block[0].startswith("mpp/")  # but the layout
+    lines = [line for block in code_blocks(README) if not block[0].startswith(("mpp/", "$ "))  # but the layout
              for line in block if not line.startswith("#") or line.startswith("#SBATCH")]
     assert not [line for line in lines if line.split()[0] not in KNOWN]
     makefile = (ROOT / "Makefile").read_text()
@@ -144,6 +159,15 @@ def test_readme_mpp_commands_run_as_written(user: Path, command: list[str]) -> N
         assert "val/mpp_accuracy" in out
     if argv[1] == "test":
         assert "test/accuracy" in out
+
+
+@pytest.mark.parametrize("command, last", transcripts(README), ids=lambda c: " ".join(c)[:90] if isinstance(c, list) else "")
+def test_readme_transcripts_end_as_shown(user: Path, command: list[str], last: str) -> None:
+    """The README's console transcripts: each command, run as shown, ends with the line shown."""
+    result, _ = run([console_script("mpp"), *command[1:], *SHRINK], user, env=user_env(user))
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert lines[-1] == last
+    assert result.returncode == 2
 
 
 def tool_arguments(argv: list[str]) -> list[str]:
