@@ -33,6 +33,8 @@ from mpp.data import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.optim import global_batch_size
 from mpp.secrets import RedactingFilter, redact, redact_tree
+from mpp.wandb_records import run_folders
+from mpp.wandb_run import WandbRunCheckpoint, continue_checkpointed_run, flush_records_often
 
 log = logging.getLogger("mpp")
 
@@ -83,6 +85,9 @@ class MPPCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
         place_run_outputs(config)
+        flush_records_often()
+        if self.subcommand == "fit":  # validate and test log runs of their own
+            continue_checkpointed_run(config)
         if config.trainer.enable_progress_bar is False:  # `--trainer.enable_progress_bar false` wins over the config's bar
             config.trainer.callbacks = [c for c in config.trainer.callbacks or []
                                         if not getattr(c, "class_path", "").endswith("ProgressBar")]
@@ -95,6 +100,7 @@ class MPPCLI(LightningCLI):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         trainer = super().instantiate_trainer(**kwargs)
         trainer.callbacks.append(RankFailure())
+        trainer.callbacks.append(WandbRunCheckpoint())
         return trainer
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -188,7 +194,10 @@ def results_summary(trainer: pl.Trainer) -> str:
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             run_dir = Path(logger.experiment.dir).parent
-            hint = f" (upload with `wandb sync {run_dir}`)" if os.environ.get("WANDB_MODE") == "offline" else ""
+            attempts = run_folders(run_dir.parent, logger.experiment.id)
+            # A resumed run has a folder per attempt; `wandb sync` given all of them uploads one run.
+            shown = run_dir if len(attempts) < 2 else run_dir.parent / f"offline-run-*-{logger.experiment.id}"
+            hint = f" (upload with `wandb sync {shown}`)" if os.environ.get("WANDB_MODE") == "offline" else ""
             lines.append(f"mpp: W&B run {run_dir}{hint}")
     pictures = Path(trainer.default_root_dir) / "pictures"
     if pictures.is_dir():
