@@ -4,8 +4,8 @@ A batch is a dict:
     "image":   uint8 (B, C, H, W), raw pixels (the model normalises them itself)
     "label":   int64 (B,), -1 for samples without a `.cls` member
     "skipped": int64 (), samples dropped since the worker's previous batch (undecodable
-               image, one over max_image_pixels, no image member, a tar that broke off,
-               a tar without members: one each); summed over batches, the total.
+               image, one over max_image_pixels, no image member, a tar that broke off:
+               one each); summed over batches, the total.
 In evaluation on several ranks, B is 0 for the batches a rank runs while it waits, in step,
 for the ranks that still have samples (ShardLoader); modules log nothing for them.
 
@@ -234,7 +234,8 @@ def _died(error: BaseException, positions: list[Position], dead: set[int]) -> Wo
         cause = cause.__cause__ or cause.__context__
     known = {p.pid: p.describe() for p in positions}
     where = "; ".join(known.get(pid, f"pid {pid}, which had not opened a shard") for pid in sorted(dead))
-    signum = stop_signal(str(error))
+    signals = [p.stopped_by for p in positions if p.pid in dead and p.stopped_by]
+    signum = stop_signal(str(error)) or (signals[0] if signals else None)
     if signum is not None:  # sent to the whole process group: a scheduler's stop, `kill`, Ctrl-C
         return RunStopped(redact(
             f"the run was stopped by {signal.Signals(signum).name}, which also stopped its DataLoader workers "

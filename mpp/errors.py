@@ -35,15 +35,16 @@ class RunStopped(RuntimeError):
         self.signum = signum
 
 
+# The signals that ask a process to stop, as schedulers, `kill`, `timeout` and Ctrl-C send them.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def stop_signal(text: str) -> int | None:
-    """The stopping signal (SIGTERM, SIGINT, SIGHUP) in torch's "killed by signal: <name>." words, if any."""
+    """The stopping signal in torch's "killed by signal: <name>." words, if any."""
     match = re.search(r"killed by signal: ([^.]+)\.", text)
     if match is None:
         return None
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if match.group(1) == signal.strsignal(signum):
-            return int(signum)
-    return None
+    return next((int(signum) for signum in STOP_SIGNALS if match.group(1) == signal.strsignal(signum)), None)
 
 
 def debugging(argv: list[str]) -> bool:

@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 import tarfile
 import zlib
 from collections.abc import Iterator, Sequence
@@ -25,6 +26,7 @@ import webdataset
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
+from mpp.errors import STOP_SIGNALS
 from mpp.secrets import redact
 from mpp.storage import ShardOpenError, open_url
 from mpp.tarstream import MemberOrderError, iter_samples
@@ -76,6 +78,8 @@ class ShardStream(IterableDataset):
         rng = random.Random(f"{self.seed}/{self.epoch}/{self.start_step}/{self.rank}/{worker}")
         skips = _Skips()
         trail = _Trail(self.whereabouts, worker)
+        if info is not None:
+            trail.record_stop_signals()
         samples = _tar_samples(self._shard_order(rng, worker, num_workers, skips), skips, self.allow_pipe, trail)
         if self.shuffle_buffer > 1:
             samples = webdataset.filters.shuffle(self.shuffle_buffer, initial=min(100, self.shuffle_buffer),
@@ -160,9 +164,9 @@ def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: _T
             for sample in iter_samples(stream):
                 last = sample["__key__"]
                 yield {**sample, "__url__": url}
-            if last is None and url not in skips.empty_shards:
+            if last is None and url not in skips.empty_shards:  # a whole tar, but nothing in it: no sample lost
                 skips.empty_shards.add(url)
-                skips.add(f"shard {url}", EOFError("the tar holds no member"))
+                log.warning("shard %s is an empty tar (no members): it adds no samples", redact(url))
         except ShardOpenError:
             raise  # the storage, not the shard, failed and its retries are spent: stop, naming the URL
         except MemberOrderError as error:  # labels parted from images: a wrong result, not a skip
@@ -257,12 +261,14 @@ def _collate(pixels: list[np.ndarray], labels: list[int], skipped: int,
 
 
 class Position(NamedTuple):
-    """Where one DataLoader worker was: pid 0 if it never wrote."""
+    """Where one DataLoader worker was: pid 0 if it never wrote; `stopped_by` the stopping signal
+    (SIGTERM, SIGINT, SIGHUP) it received, 0 if none."""
 
     worker: int
     pid: int
     shard: str
     sample: str
+    stopped_by: int = 0
 
     def describe(self) -> str:
         where = f"reading shard {self.shard}" if self.shard else "before it opened a shard"
@@ -284,10 +290,10 @@ class Whereabouts:
         self.workers = workers
         self.memory = multiprocessing.RawArray(ctypes.c_char, workers * self.SLOT)
 
-    def write(self, worker: int, shard: str, sample: str) -> None:
-        # Cut by bytes so the three fields fit one slot; a character cut in half reads as U+FFFD.
+    def write(self, worker: int, shard: str, sample: str, stopped_by: int = 0) -> None:
+        # Cut by bytes so the fields fit one slot; a character cut in half reads as U+FFFD.
         fields = [str(os.getpid()).encode(), shard.encode("utf-8", "replace")[:2560],
-                  sample.encode("utf-8", "replace")[:1500]]
+                  sample.encode("utf-8", "replace")[:1500], str(stopped_by).encode()]
         data = b"\0".join(fields) + b"\0"
         start = worker * self.SLOT
         self.memory[start : start + len(data)] = data
@@ -296,9 +302,9 @@ class Whereabouts:
         positions = []
         for worker in range(self.workers):
             slot = self.memory[worker * self.SLOT : (worker + 1) * self.SLOT]
-            pid, shard, sample = (slot.split(b"\0") + [b"", b""])[:3]
+            pid, shard, sample, stopped_by = (slot.split(b"\0") + [b"", b"", b""])[:4]
             positions.append(Position(worker, int(pid) if pid.isdigit() else 0, shard.decode("utf-8", "replace"),
-                                      sample.decode("utf-8", "replace")))
+                                      sample.decode("utf-8", "replace"), int(stopped_by) if stopped_by.isdigit() else 0))
         return positions
 
 
@@ -318,3 +324,19 @@ class _Trail:
         self.sample = key if url == self.shard else f"{key} of shard {url}"
         if self.whereabouts is not None:
             self.whereabouts.write(self.worker, self.shard, self.sample)
+
+    def record_stop_signals(self) -> None:
+        """In a worker: note a stopping signal in Whereabouts, then die of it as before. torch's words
+        for the death ("exited unexpectedly", where it noticed while waiting for a batch) do not
+        always say the signal, and a stopped run is not a crash nor the out-of-memory killer."""
+        if self.whereabouts is None:
+            return
+
+        def stopped(signum: int, frame: object) -> None:
+            self.whereabouts.write(self.worker, self.shard, self.sample, stopped_by=signum)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+                signal.signal(signum, stopped)
