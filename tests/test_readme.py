@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from workspace import ROOT, console_script, environment, make_workspace, run
+from workspace import ROOT, console_script, environment, make_workspace, run, unexplained_lines
 
 README = (ROOT / "README.md").read_text()
 SHRINK = ["--data.batch_size", "2", "--data.num_workers", "0", "--trainer.max_steps", "2",
           "--data.samples_per_epoch", "8", "--model.init_args.compile", "false", "--trainer.limit_val_batches", "2",
-          "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false"]
+          "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1"]
 BUCKET_SHARDS = 4  # the recipes' 4,096 shards, shrunk
 KNOWN = ("mpp", "python", "torchrun", "srun", "export", "make", "#SBATCH", "#!/bin/bash")
 
@@ -116,7 +116,7 @@ def user(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def user_env(user: Path, **extra: str) -> dict[str, str]:
-    return environment(HOME=str(user), **extra)
+    return environment(HOME=str(user), WANDB_SILENT="false", **extra)  # wandb's console as a user sees it
 
 
 def checkpoint_step(path: Path) -> int:
@@ -150,6 +150,10 @@ def test_readme_mpp_commands_run_as_written(user: Path, command: list[str]) -> N
         return
     if argv[1] == "fit":
         assert "mpp: global batch" in out and "mpp: checkpoint" in out
+    if argv == ["mpp", "fit", "--config", "configs/pretrain/demo.yaml"]:  # the console a user sees
+        others, sources = unexplained_lines(out)
+        assert others == [], others  # no litlogger tip, LeafSpec or `anonymous` warning, no botocore INFO
+        assert len(sources["mpp"]) == 8 and len(sources["wandb"]) >= 4, sources
     if "configs/model/vit_l.yaml" in argv:
         assert "encoder 1024x24 (16 heads)" in out
     if resume:

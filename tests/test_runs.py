@@ -1,5 +1,5 @@
 """Whole `mpp fit` runs in subprocesses: two DDP ranks on CPU (gloo), a run killed with SIGKILL
-that resumes where it was, and a checkpoint write killed halfway."""
+that resumes where it was, W&B history and run included, and a checkpoint write killed halfway."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from probes import digest, records
 from shardkit import write_shards
 
 from mpp.optim import warmup_cosine
+from mpp.wandb_records import FILE_HEADER, history, read_records, run_folders, run_history
+from mpp.wandb_records import records as wandb_records
 
 TESTS = Path(__file__).parent
 PER_SHARD = 6
@@ -69,19 +71,32 @@ def test_two_ddp_ranks_read_disjoint_shards_and_end_with_the_same_weights(tmp_pa
     assert shards_read[0] and shards_read[1] and not shards_read[0] & shards_read[1], shards_read
 
 
-def test_a_run_killed_with_sigkill_resumes_its_step_optimiser_and_schedule(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def sigkilled(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A fit logging to W&B (offline), checkpointing every 3 steps, SIGKILLed as step 5 begins; then the
+    same fit resumed with `--ckpt_path last` to step 9."""
+    tmp_path = tmp_path_factory.mktemp("sigkilled")
     shards = write_shards(tmp_path / "shards", shards=4, per_shard=PER_SHARD)
     checkpoints = {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint", "init_args": {
         "dirpath": str(tmp_path / "ckpt"), "filename": "step{step}", "every_n_train_steps": 3, "save_top_k": -1,
         "save_last": True}}
-    common = {"max_steps": 9, "enable_checkpointing": True}
+    wandb = {"class_path": "pytorch_lightning.loggers.WandbLogger", "init_args": {"project": "mpp"}}
+    common = {"max_steps": 9, "enable_checkpointing": True, "logger": wandb, "log_every_n_steps": 1}
     killed = mpp_fit(config(tmp_path, shards, callbacks=[checkpoints, probe(tmp_path, "killed", kill_at_step=5)],
                             **common), tmp_path)
     assert killed.returncode == -9, killed.stderr[-3000:]
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
-    assert saved["global_step"] == 3
+    run_ids = {path.stem.removeprefix("run-") for path in (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")}
+    killed_rows = {run_id: history(folder) for run_id in run_ids for folder in run_folders(tmp_path / "run" / "wandb", run_id)}
     resumed = mpp_fit(config(tmp_path, shards, callbacks=[checkpoints, probe(tmp_path, "resumed")], **common),
                       tmp_path, "--ckpt_path", "last")
+    return {"path": tmp_path, "saved": saved, "killed_rows": killed_rows, "resumed": resumed,
+            "wandb": tmp_path / "run" / "wandb"}
+
+
+def test_a_run_killed_with_sigkill_resumes_its_step_optimiser_and_schedule(sigkilled: dict) -> None:
+    tmp_path, saved, resumed = sigkilled["path"], sigkilled["saved"], sigkilled["resumed"]
+    assert saved["global_step"] == 3
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     start, *steps, end = records(tmp_path / "probe" / "resumed-rank0.jsonl")
     assert start["global_step"] == 3 and end["global_step"] == 9
@@ -94,6 +109,46 @@ def test_a_run_killed_with_sigkill_resumes_its_step_optimiser_and_schedule(tmp_p
         assert after[step] == pytest.approx(before[step])
     for step, lr in after.items():  # and the schedule goes on as if nothing happened
         assert lr == pytest.approx(1e-3 * warmup_cosine(step, warmup_steps=4, total_steps=9, final_ratio=0.0))
+
+
+def _steps(rows: list[dict]) -> list[int]:
+    return [row["trainer/global_step"] for row in rows if "trainer/global_step" in row]
+
+
+def test_a_killed_run_keeps_the_wandb_records_of_every_step_its_last_checkpoint_holds(sigkilled: dict) -> None:
+    """wandb-core writes its log every 15 s by default and, its parent gone, exits without writing:
+    26 steps once left the 7-byte header alone. Every checkpoint now waits for the rows before it."""
+    ((run_id, rows),) = sigkilled["killed_rows"].items()
+    assert set(range(sigkilled["saved"]["global_step"])) <= set(_steps(rows)), "rows of checkpointed steps were lost"
+    assert sigkilled["saved"]["callbacks"]["WandbRun"]["run_id"] == run_id
+
+
+def test_a_fit_resumed_from_last_continues_the_same_wandb_run(sigkilled: dict) -> None:
+    (run_id,) = sigkilled["killed_rows"]
+    first, second = run_folders(sigkilled["wandb"], run_id)  # one W&B run: a folder per attempt
+    before, after = _steps(history(first)), _steps(history(second))
+    assert len(set(before)) == len(before) and len(set(after)) == len(after), "a step logged twice in one attempt"
+    assert after == list(range(3, 9)), "the resumed attempt starts at its checkpoint"
+    # Killed as step 5 began, the first attempt holds steps 3 and 4, which the second takes again: W&B keeps both.
+    assert sorted(set(before + after)) == list(range(9))
+    assert _steps(run_history(sigkilled["wandb"], run_id)) == before + after
+    # The record `wandb sync` reads to upload the second folder as a continuation of the first.
+    (record,) = [r for r in wandb_records(second / f"run-{run_id}.wandb") if r.WhichOneof("record_type") == "run"]
+    assert record.run.resume
+    # The run's closing lines name both folders for `wandb sync`.
+    assert f"(upload with `wandb sync {sigkilled['wandb'] / f'offline-run-*-{run_id}'}`)" in sigkilled["resumed"].stdout
+
+
+def test_reading_on_where_a_growing_wandb_file_stopped_misses_no_record(sigkilled: dict, tmp_path: Path) -> None:
+    (run_id,) = sigkilled["killed_rows"]
+    path = run_folders(sigkilled["wandb"], run_id)[0] / f"run-{run_id}.wandb"
+    whole, growing = path.read_bytes(), tmp_path / path.name
+    for cut in range(FILE_HEADER, len(whole), 97):  # as wandb left it at some moment, mid-record mostly
+        growing.write_bytes(whole[:cut])
+        before, offset = read_records(growing)
+        growing.write_bytes(whole)
+        after, _ = read_records(growing, offset)
+        assert [r.num for r in before + after] == [r.num for r in wandb_records(path)]
 
 
 KILL_DURING_WRITE = textwrap.dedent("""

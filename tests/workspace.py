@@ -8,6 +8,7 @@ Commands run with this folder as their working directory, so every relative path
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -59,3 +60,22 @@ def run(argv: list[str], cwd: Path, *, env: dict[str, str] | None = None, timeou
     result = subprocess.run(argv, cwd=cwd, env=env or environment(), capture_output=True, text=True,
                             timeout=timeout)
     return result, time.monotonic() - start
+
+
+def unexplained_lines(out: str) -> tuple[list[str], dict[str, list[str]]]:
+    """A run's console -> (the lines that neither mpp, Lightning nor wandb wrote, each source's lines).
+
+    The progress bar redraws with carriage returns: each line's last drawing is what stays on screen.
+    """
+    lines = [line.split("\r")[-1] for line in out.splitlines()]
+    lines = [line for line in lines if re.sub(r"\x1b\[\w", "", line).strip()
+             and not re.match(r"\s*(Epoch \d+|Validation|Sanity|Training|Testing)", line)]
+    sources = {
+        "mpp": [line for line in lines if line.startswith("mpp: ")],
+        "wandb": [line for line in lines if re.match(r"(\x1b\[[\d;]*m)?wandb", line)],
+        "lightning": [line for line in lines
+                      if re.match(r"(Seed set|GPU available|TPU available|`Trainer.fit` stopped|Restoring states|"
+                                  r"Restored all states|\s*\||\d+ |-{10,}|\s*\d+\.\d+ +Total)", line)],
+    }
+    known = {line for group in sources.values() for line in group}
+    return [line for line in lines if line not in known], sources
