@@ -47,7 +47,7 @@ from mpp.wandb_records import FILE_HEADER, read_records
 
 log = logging.getLogger("mpp")
 
-FLUSH_INTERVAL_S = 0.5
+FLUSH_INTERVAL_S = 0.1  # each checkpoint waits up to about one interval, twice
 STATE_KEY = "WandbRun"
 
 

@@ -20,7 +20,7 @@ from mpp.cli import main
 
 DEMO = str(ROOT / "configs" / "pretrain" / "demo.yaml")
 # A run small enough to start in seconds, on the demo's shards, without W&B.
-SMALL = ["--data.batch_size", "8", "--trainer.max_steps", "2", "--trainer.logger", "false",
+SMALL = ["--data.batch_size", "8", "--data.num_workers", "0", "--trainer.max_steps", "2", "--trainer.logger", "false",
          "--trainer.enable_model_summary", "false", "--trainer.enable_progress_bar", "false",
          "--trainer.limit_val_batches", "1"]
 
@@ -80,10 +80,11 @@ def _shards_and_endpoints(tmp_path: Path) -> dict[str, tuple[list[str], dict[str
         "folder": (["--data.train", "shards/fashion-mnist"], {}, re.escape(
             "data.train: shard shards/fashion-mnist is a folder, not a tar file: give its shards as a pattern, e.g. "
             "'shards/fashion-mnist/test-000000.tar' or 'shards/fashion-mnist/train-{000000..000009}.tar'"), 2),
-        "http": (["--data.train", f"http://{closed}/train-{{000000..000001}}.tar"], retries, re.escape(
+        # Read by a DataLoader worker, whose error torch re-raises with the worker's traceback in its message.
+        "http": (["--data.train", f"http://{closed}/train-{{000000..000001}}.tar", "--data.num_workers", "1"], retries, re.escape(
             f"cannot open http://{closed}/train-00000") + r"\d\.tar: URLError: .*Connection refused.*; gave up after 1 "
             r"attempt \(MPP_READ_RETRIES=0, .*\)", 1),
-        "s3": (["--data.train", "s3://bucket/train-{000000..000001}.tar"],
+        "s3": (["--data.train", "s3://bucket/train-{000000..000001}.tar", "--data.num_workers", "1"],
                {**retries, "AWS_ENDPOINT_URL": f"http://{closed}", "AWS_ACCESS_KEY_ID": "test", "AWS_MAX_ATTEMPTS": "1",
                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"},
                r"cannot open s3://bucket/train-00000\d\.tar: EndpointConnectionError: .*; gave up after 1 attempt", 1),
