@@ -54,8 +54,9 @@ def debugging(argv: list[str]) -> bool:
 
 def exit_code(error: BaseException) -> int:
     """The process's exit status for an error."""
-    if isinstance(error, RunStopped):
-        return 128 + error.signum
+    stopped = next((e for e in _chain(error) if isinstance(e, RunStopped)), None)
+    if stopped is not None:
+        return 128 + stopped.signum
     if isinstance(error, KeyboardInterrupt):
         return 128 + signal.SIGINT
     if any(_is_argument_error(e) or isinstance(e, ConfigError) for e in _chain(error)):
@@ -74,7 +75,9 @@ def explain(error: BaseException) -> str:
     text = _worker_original(telling) or text
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     message = " ".join(lines) if lines else ""
-    if not _raised_by_mpp(telling):
+    deliberate = type(telling).__module__.split(".")[0] == "mpp" or (
+        _raised_by_mpp(telling) and isinstance(telling, (ValueError, OSError, RuntimeError)))
+    if not deliberate:  # another library's error, or a slip in mpp (a KeyError, a TypeError): name its type
         message = f"{type(telling).__name__}: {message}" if message else type(telling).__name__
     notes = [note.removeprefix("mpp: ") for e in _chain(error) for note in getattr(e, "__notes__", ())
              if note.startswith("mpp: ")]  # what mpp added on the way up (RankFailure's stage of a timeout)
