@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -e ".[test]"
 	touch $@
 
-# Only set up the environment, e.g. in another place: `make install VENV=/tmp/venv`.
+# Only set up the environment, e.g. in another place: `make install VENV=../mpp-venv`.
 install: $(VENV)/.installed
 
 # Pretrain a small ViT on the embedded FashionMNIST shards, then fine-tune it next to the same
