@@ -37,10 +37,10 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from mpp.errors import ConfigError, RunStopped, stop_signal
+from mpp.errors import ConfigError, RunStopped, raised_in_worker, stop_signal
 from mpp.secrets import redact, redact_tree
 from mpp.storage import expand_urls
-from mpp.stream import Batch, Position, ShardStream, Whereabouts, fold_skip_only_batches
+from mpp.stream import Batch, Position, ShardStream, Whereabouts, fold_skip_only_batches, some_urls
 from mpp.transforms import DEFAULT_MAX_PIXELS, ImageTransform
 from mpp.vit import ViTConfig, pair
 
@@ -132,7 +132,7 @@ class ShardLoader:
 
     def _empty(self, everywhere: bool = False) -> EmptyEpochError:
         urls = self.stream.urls
-        shown = ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+        shown = some_urls(urls)
         where = " on any rank" if everywhere else (f" on rank {self.stream.rank}" if self.stream.world_size > 1 else "")
         return EmptyEpochError(redact(
             f"data.{self.split} yielded no batch{where}: its {len(urls)} shard(s) ({shown}) hold no sample that "
@@ -155,7 +155,7 @@ def _naming_deaths(batches: Iterator[Batch], whereabouts: Whereabouts) -> Iterat
     except (WorkerDiedError, RunStopped):
         raise
     except (RuntimeError, OSError) as error:
-        if _raised_in_worker(error):  # the worker's own error, passed on by torch: not a death
+        if raised_in_worker(error):  # the worker's own error, passed on by torch: not a death
             raise
         positions = whereabouts.read()
         dead = _torch_death_pids(error) or _exited({p.pid for p in positions if p.pid})
@@ -194,11 +194,6 @@ def _watch_worker_deaths() -> None:
 
     handler.names_dead_workers = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGCHLD, handler)
-
-
-def _raised_in_worker(error: BaseException) -> bool:
-    """Whether torch re-raised an exception a worker caught ("Caught X in DataLoader worker process N")."""
-    return re.match(r"Caught \w+ in DataLoader worker process \d+", str(error)) is not None
 
 
 def _torch_death_pids(error: BaseException) -> set[int]:

@@ -119,11 +119,16 @@ def _is_argument_error(error: BaseException) -> bool:
     return isinstance(error, argparse.ArgumentError)
 
 
+def raised_in_worker(error: BaseException) -> bool:
+    """Whether torch re-raised an exception a worker caught ("Caught X in DataLoader worker process N")."""
+    return re.match(r"Caught \w+ in DataLoader worker process \d+", str(error)) is not None
+
+
 def _worker_original(error: BaseException) -> str | None:
     """The message of an error raised in a DataLoader worker, which torch re-raises as
     "Caught X in DataLoader worker process N. Original Traceback ... X: message"."""
     text = str(error)
-    if not re.match(r"Caught \w+ in DataLoader worker process \d+", text):
+    if not raised_in_worker(error):
         return None
     name = re.escape(type(error).__name__)
     matches = list(re.finditer(rf"^(?:[\w.]+\.)?{name}: ", text, re.MULTILINE))

@@ -112,10 +112,14 @@ class EmptyShardsError(RuntimeError):
     """Every shard a resampled stream draws from holds no sample."""
 
 
+def some_urls(urls: Sequence[str]) -> str:
+    """The first three URLs and how many more: shards named in a message."""
+    return ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
+
+
 def _empty_message(share: Sequence[str]) -> str:
-    shown = ", ".join(share[:3]) + (f" and {len(share) - 3} more" if len(share) > 3 else "")
-    return (f"every shard this stream draws from is empty (a tar with no members): {shown}; there is nothing to "
-            "train on. Check them with `python tools/inspect_shards.py <shards>`")
+    return (f"every shard this stream draws from is empty (a tar with no members): {some_urls(share)}; there is "
+            "nothing to train on. Check them with `python tools/inspect_shards.py <shards>`")
 
 
 class _Skips:
@@ -304,7 +308,8 @@ class Whereabouts:
             slot = self.memory[worker * self.SLOT : (worker + 1) * self.SLOT]
             pid, shard, sample, stopped_by = (slot.split(b"\0") + [b"", b"", b""])[:4]
             positions.append(Position(worker, int(pid) if pid.isdigit() else 0, shard.decode("utf-8", "replace"),
-                                      sample.decode("utf-8", "replace"), int(stopped_by) if stopped_by.isdigit() else 0))
+                                      sample.decode("utf-8", "replace"),
+                                      int(stopped_by) if stopped_by.isdigit() else 0))
         return positions
 
 
