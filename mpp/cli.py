@@ -19,22 +19,30 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytorch_lightning as pl
-from pytorch_lightning.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from pytorch_lightning.cli import (
+    LightningArgumentParser,
+    LightningCLI,
+    SaveConfigCallback,
+)
 from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.plugins.io import CheckpointIO
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from tqdm.auto import tqdm
 
-from mpp.callbacks import RankFailure
-from mpp.checkpointing import AtomicCheckpointIO, check_checkpoint
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
-from mpp.data import ShardDataModule
+from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
-from mpp.optim import global_batch_size
+from mpp.eval.records import run_folders
 from mpp.secrets import RedactingFilter, redact, redact_tree
-from mpp.wandb_records import run_folders
-from mpp.wandb_run import WandbRunCheckpoint, continue_checkpointed_run, flush_records_often
+from mpp.train.callbacks import RankFailure
+from mpp.train.checkpoint_io import AtomicCheckpointIO, check_checkpoint
+from mpp.train.optim import global_batch_size
+from mpp.train.wandb_run import (
+    WandbRunCheckpoint,
+    continue_checkpointed_run,
+    flush_records_often,
+)
 
 log = logging.getLogger("mpp")
 

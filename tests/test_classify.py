@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mpp import ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViTConfig
-from mpp.classify import load_encoder
+from mpp.model.checkpoint import load_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ViTConfig(image_size=28, patch_size=4, channels=1, dim=32, depth=2, heads=2, mlp_dim=64)

@@ -15,8 +15,8 @@ import torch
 import yaml
 
 from mpp.cli import main
-from mpp.wandb_records import config as wandb_config
-from mpp.wandb_records import history
+from mpp.eval.records import config as wandb_config
+from mpp.eval.records import history
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "pretrain" / "demo.yaml"
@@ -60,12 +60,12 @@ def test_every_config_loads(config):
 def test_the_fsdp_preset_shards_each_vit_block():
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from mpp.strategies import BlockFSDPStrategy
-    from mpp.vit import Block
+    from mpp.model.vit import Block
+    from mpp.train.strategies import BlockFSDPStrategy
 
     resolved = yaml.safe_load(print_config("--config", str(ROOT / "configs/trainer/fsdp.yaml"), "--config", str(DEMO)))
     strategy = resolved["trainer"]["strategy"]
-    assert strategy["class_path"] == "mpp.strategies.BlockFSDPStrategy"
+    assert strategy["class_path"] == "mpp.train.strategies.BlockFSDPStrategy"
     built = BlockFSDPStrategy(**{**strategy["init_args"], "activation_checkpointing": True})
     for policy in (built.kwargs["auto_wrap_policy"], built._activation_checkpointing_kwargs["auto_wrap_policy"]):
         assert isinstance(policy, ModuleWrapPolicy) and set(policy._module_classes) == {Block}

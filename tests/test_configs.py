@@ -116,7 +116,7 @@ def instantiate(*args: str) -> object:
     from pytorch_lightning.accelerators.cuda import CUDAAccelerator
 
     from mpp.cli import MPPCLI
-    from mpp.data import ShardDataModule
+    from mpp.data.module import ShardDataModule
 
     with (mock.patch.object(fabric_cuda, "num_cuda_devices", return_value=8),
           mock.patch.object(CUDAAccelerator, "is_available", return_value=True),
@@ -132,7 +132,7 @@ def instantiate(*args: str) -> object:
 def test_every_gpu_preset_with_every_run_config_prints_and_instantiates(fits: dict[str, dict], name: str,
                                                                        preset: str, monkeypatch) -> None:
     from mpp.cli import main, run_summary
-    from mpp.strategies import BlockFSDPStrategy
+    from mpp.train.strategies import BlockFSDPStrategy
 
     monkeypatch.chdir(fits[name]["folder"])  # where the fine-tuning configs find their pretrained checkpoints
     args = ["--config", f"configs/trainer/{preset}.yaml", "--config", f"configs/{name}"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mpp import CorruptionConfig, corrupt_patches
-from mpp.corruption import KEPT, MASKED, REPLACED
+from mpp.model.corruption import KEPT, MASKED, REPLACED
 
 
 def distinct_patches(batch: int, n: int, dim: int) -> torch.Tensor:

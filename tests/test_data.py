@@ -30,11 +30,13 @@ from shardkit import (
     write_shards,
 )
 
-from mpp import stream
-from mpp.data import EmptyEpochError, ShardDataModule, WorkerDiedError
+from mpp.data import stream, workers
+from mpp.data.loader import EmptyEpochError
+from mpp.data.module import ShardDataModule
+from mpp.data.stream import resampled_share
+from mpp.data.transforms import ImageTransform
+from mpp.data.workers import WorkerDiedError
 from mpp.errors import ConfigError, RunStopped, exit_code
-from mpp.stream import resampled_share
-from mpp.transforms import ImageTransform
 
 
 def make(train: str | list[str], **kw: object) -> ShardDataModule:
@@ -119,7 +121,7 @@ def test_resampled_shares_fall_back_to_all_shards_when_too_few() -> None:
 def test_resampled_with_fewer_shards_than_ranks_warns_and_reads_all(tmp_path: Path,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     dm = make(write_shards(tmp_path, shards=2, per_shard=3), resampled=True, samples_per_epoch=96)
-    with caplog.at_level(logging.WARNING, logger="mpp.data"):
+    with caplog.at_level(logging.WARNING, logger="mpp.data.module"):
         dm.setup("fit", rank=2, world_size=3)
     assert caplog.text.count("every rank draws from all") == 1
     labels, _, _ = read_all(dm.train_dataloader())
@@ -317,16 +319,15 @@ def test_a_worker_stopped_by_sigterm_is_a_stopped_run_not_a_death(shards: str,
 def test_a_worker_that_noted_a_stop_signal_makes_a_stopped_run_whatever_torch_says(words: str) -> None:
     """torch says "exited unexpectedly" when it notices a death while waiting for a batch (it has
     reaped the worker then): the signal the worker noted in Whereabouts says what happened."""
-    from mpp import data
 
-    whereabouts = stream.Whereabouts(2)
+    whereabouts = workers.Whereabouts(2)
     whereabouts.write(1, "shard-000004.tar", "sample000013", stopped_by=signal.SIGTERM)
     noted = whereabouts.read()
     pid = noted[1].pid  # the writer's: this process here
-    stopped = data._died(RuntimeError(words.format(pid=pid)), noted, {pid})
+    stopped = workers._died(RuntimeError(words.format(pid=pid)), noted, {pid})
     assert isinstance(stopped, RunStopped) and stopped.signum == signal.SIGTERM
     assert "reading shard shard-000004.tar, decoding sample sample000013" in str(stopped)
-    died = data._died(RuntimeError(f"DataLoader worker (pid(s) {pid}) exited unexpectedly"),
+    died = workers._died(RuntimeError(f"DataLoader worker (pid(s) {pid}) exited unexpectedly"),
                       [p._replace(stopped_by=0) for p in noted], {pid})
     assert isinstance(died, WorkerDiedError) and "out-of-memory" in str(died)
 
@@ -418,7 +419,6 @@ def test_a_worker_s_own_error_is_not_reported_as_a_death(tmp_path: Path) -> None
 
 def test_a_worker_error_with_an_exited_worker_is_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The race seen 1 run in 8: the error arrives after a worker has exited; it is still the worker's own."""
-    from mpp import data
 
     own = RuntimeError("Caught RuntimeError in DataLoader worker process 1.\nOriginal Traceback ...")
 
@@ -426,11 +426,11 @@ def test_a_worker_error_with_an_exited_worker_is_passed_on(monkeypatch: pytest.M
         raise own
         yield {}
 
-    whereabouts = stream.Whereabouts(2)
+    whereabouts = workers.Whereabouts(2)
     whereabouts.write(0, "shard-000000.tar", "")
-    monkeypatch.setattr(data, "_exited", lambda pids: set(pids))  # every worker has exited
+    monkeypatch.setattr(workers, "_exited", lambda pids: set(pids))  # every worker has exited
     with pytest.raises(RuntimeError) as error:
-        list(data._naming_deaths(failing(), whereabouts))
+        list(workers._naming_deaths(failing(), whereabouts))
     assert error.value is own
 
 
@@ -449,7 +449,7 @@ def test_data_that_does_not_fit_the_encoder_fails_before_training_naming_both_ke
 
 
 def test_unset_image_size_and_channels_follow_the_encoder(shards: str) -> None:
-    from mpp.vit import ViTConfig
+    from mpp.model.vit import ViTConfig
 
     dm = make(shards, image_size=None)
     dm.setup("fit", rank=0, world_size=1, encoder=ViTConfig(image_size=(12, 8), patch_size=4, channels=1, dim=16,
@@ -578,8 +578,8 @@ def test_reduced_jpeg_decoding_keeps_the_crop_in_place() -> None:
 
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_folder_written_by_the_shard_writer_reads_back_exactly_once(tmp_path: Path, num_workers: int) -> None:
-    from mpp.shards import WriteOptions, write_shards
-    from mpp.sources import image_folder
+    from mpp.shards.sources import image_folder
+    from mpp.shards.writer import WriteOptions, write_shards
 
     # 3 classes x 7 images; each image one flat grey level that identifies it.
     root = tmp_path / "images"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpp.wandb_records import history
+from mpp.eval.records import history
 
 ROOT = Path(__file__).resolve().parents[1]
 

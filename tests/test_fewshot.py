@@ -13,10 +13,15 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from PIL import Image
+from shardkit import encode, write_shard
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViTConfig
-from mpp.fewshot import FewShotEvaluation, fewshot_accuracy, fewshot_evaluation, pick_shots
-from shardkit import encode, write_shard
+from mpp.eval.fewshot import (
+    FewShotEvaluation,
+    fewshot_accuracy,
+    fewshot_evaluation,
+    pick_shots,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

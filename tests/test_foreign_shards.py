@@ -26,10 +26,10 @@ import pytest
 from PIL import Image
 from shardkit import colour, encode, read_all, sample, write_shard
 
-from mpp.data import ShardDataModule
-from mpp.inspection import inspect_shards
-from mpp.storage import ShardOpenError
-from mpp.tarstream import MemberOrderError, iter_samples
+from mpp.data.module import ShardDataModule
+from mpp.data.remote import ShardOpenError
+from mpp.shards.inspector import inspect_shards
+from mpp.shards.tar import MemberOrderError, iter_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNT = 6

@@ -29,8 +29,8 @@ import torch
 from PIL import Image
 from shardkit import colour, decode_index, encode, header_only_png
 
-from mpp.data import ShardDataModule
-from mpp.tarstream import iter_files, iter_samples
+from mpp.data.module import ShardDataModule
+from mpp.shards.tar import iter_files, iter_samples
 
 MAX_PIXELS = 32 * 32  # the loader's max_image_pixels here: good images are at most 30 x 30
 GOOD = ("png", "png_as_jpg", "bmp", "tif", "ppm", "upper_case", "rgba", "unlabelled", "unicode_key",

@@ -5,9 +5,15 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mpp import CorruptionConfig, MaskedPatchPretraining, OptimizerConfig, TargetConfig, ViTConfig
-from mpp.optim import parameter_groups, warmup_cosine
-from mpp.targets import prediction_loss
+from mpp import (
+    CorruptionConfig,
+    MaskedPatchPretraining,
+    OptimizerConfig,
+    TargetConfig,
+    ViTConfig,
+)
+from mpp.model.targets import prediction_loss
+from mpp.train.optim import parameter_groups, warmup_cosine
 
 TINY = ViTConfig(image_size=16, patch_size=4, dim=32, depth=2, heads=2, mlp_dim=64)
 

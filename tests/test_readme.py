@@ -24,7 +24,14 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from workspace import ROOT, console_script, environment, make_workspace, run, unexplained_lines
+from workspace import (
+    ROOT,
+    console_script,
+    environment,
+    make_workspace,
+    run,
+    unexplained_lines,
+)
 
 README = (ROOT / "README.md").read_text()
 SHRINK = ["--data.batch_size", "2", "--data.num_workers", "0", "--trainer.max_steps", "2",

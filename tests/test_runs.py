@@ -15,9 +15,15 @@ import yaml
 from probes import digest, records
 from shardkit import write_shards
 
-from mpp.optim import warmup_cosine
-from mpp.wandb_records import FILE_HEADER, history, read_records, run_folders, run_history
-from mpp.wandb_records import records as wandb_records
+from mpp.eval.records import (
+    FILE_HEADER,
+    history,
+    read_records,
+    run_folders,
+    run_history,
+)
+from mpp.eval.records import records as wandb_records
+from mpp.train.optim import warmup_cosine
 
 TESTS = Path(__file__).parent
 PER_SHARD = 6
@@ -155,7 +161,7 @@ KILL_DURING_WRITE = textwrap.dedent("""
     import builtins, os, signal, sys
     import torch
     from pytorch_lightning.plugins.io import TorchCheckpointIO
-    from mpp.checkpointing import AtomicCheckpointIO
+    from mpp.train.checkpoint_io import AtomicCheckpointIO
 
     io = AtomicCheckpointIO() if sys.argv[1] == "atomic" else TorchCheckpointIO()
     path = os.path.abspath(sys.argv[2])

@@ -17,12 +17,27 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mpp.inspection import inspect_shards
-from mpp.shards import WriteOptions, encode_image, holdout_split, write_shards, write_split
-from mpp.sources import (FASHION_MNIST_CLASSES, IMAGE_SUFFIXES, ShardError, Source, cifar, fashion_mnist,
-                         flat_folder, image_folder, read_idx)
-from mpp.tarstream import iter_samples
-from mpp.transforms import IMAGE_EXTENSIONS
+from mpp.shards.format import ShardError
+from mpp.shards.images import IMAGE_EXTENSIONS
+from mpp.shards.inspector import inspect_shards
+from mpp.shards.sources import (
+    FASHION_MNIST_CLASSES,
+    IMAGE_SUFFIXES,
+    Source,
+    cifar,
+    fashion_mnist,
+    flat_folder,
+    image_folder,
+    read_idx,
+)
+from mpp.shards.tar import iter_samples
+from mpp.shards.writer import (
+    WriteOptions,
+    encode_image,
+    holdout_split,
+    write_shards,
+    write_split,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = WriteOptions(progress=False)

@@ -20,10 +20,11 @@ import pytest
 import torch
 from shardkit import read_all, write_shards
 
-from mpp import storage
-from mpp.data import ShardDataModule
-from mpp.storage import ShardOpenError, check_pipe_allowed, expand_urls, open_url
-from mpp.tarstream import iter_files
+from mpp.data import remote
+from mpp.data.module import ShardDataModule
+from mpp.data.remote import ShardOpenError, open_url
+from mpp.data.urls import check_pipe_allowed, expand_urls
+from mpp.shards.tar import iter_files
 
 SHARDS, PER_SHARD = 3, 4
 NAMES = [f"train-{i:06d}.tar" for i in range(SHARDS)]
@@ -390,18 +391,16 @@ def test_http_reconnects_after_dropped_connections(http_server: ThreadingHTTPSer
     _fails_without_retries(proxy, f"{proxy.url}/{NAMES[1]}", [fault], monkeypatch)
 
 
-def test_retry_settings_take_the_old_http_names_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("MPP_READ_RETRIES", "MPP_READ_BACKOFF", "MPP_HTTP_RETRIES", "MPP_HTTP_BACKOFF"):
+def test_retry_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MPP_READ_RETRIES", "MPP_READ_BACKOFF"):
         monkeypatch.delenv(name, raising=False)
-    assert storage.retry_settings() == (5, 1.0)
-    monkeypatch.setenv("MPP_HTTP_RETRIES", "3")
-    monkeypatch.setenv("MPP_HTTP_BACKOFF", "0.5")
-    assert storage.retry_settings() == (3, 0.5)
+    assert remote.retry_settings() == (5, 1.0)
+    monkeypatch.setenv("MPP_READ_BACKOFF", "0.5")
     monkeypatch.setenv("MPP_READ_RETRIES", "2")
-    assert storage.retry_settings() == (2, 0.5)
+    assert remote.retry_settings() == (2, 0.5)
     monkeypatch.setenv("MPP_READ_RETRIES", "-1")
     with pytest.raises(ValueError, match="MPP_READ_RETRIES='-1': expected a whole number"):
-        storage.retry_settings()
+        remote.retry_settings()
 
 
 @pytest.mark.parametrize("fault", [503, "drop"])
@@ -442,8 +441,8 @@ def test_errors_mask_a_presigned_signature(http_server: ThreadingHTTPServer, fla
 @pytest.fixture
 def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bucket reads of 4 KiB, so that one shard takes several range GETs."""
-    monkeypatch.setattr(storage, "BLOCK_SIZE", 4096)
-    monkeypatch.setattr(storage, "BUFFER_SIZE", 4096)
+    monkeypatch.setattr(remote, "BLOCK_SIZE", 4096)
+    monkeypatch.setattr(remote, "BUFFER_SIZE", 4096)
 
 
 def test_s3_library_retries_ride_out_a_short_outage(s3_env: None, s3_endpoint: str, flaky: Callable,

@@ -3,9 +3,14 @@
 import pytest
 import torch
 
-from mpp import TargetConfig, downsized_colour_targets, mean_colour_targets, pixel_targets
-from mpp.images import Normalise
-from mpp.targets import prediction_loss
+from mpp import (
+    TargetConfig,
+    downsized_colour_targets,
+    mean_colour_targets,
+    pixel_targets,
+)
+from mpp.model.pixels import Normalise
+from mpp.model.targets import prediction_loss
 
 
 def painted(colours: list[list[tuple[float, float, float]]], patch: int = 4) -> torch.Tensor:

@@ -45,9 +45,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from mpp import MaskedPatchPretraining, ShardDataModule
-from mpp.shards import WriteOptions, write_shards
-from mpp.sources import Source
-from mpp.vit import pair
+from mpp.model.pixels import pair
+from mpp.shards.sources import Source
+from mpp.shards.writer import WriteOptions, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"demo": ROOT / "configs/pretrain/demo.yaml", "vit_b16": ROOT / "configs/pretrain/vit_b16.yaml"}

@@ -6,7 +6,7 @@ Three arms, alternating (A B C C B A ...), on one model built from configs/pretr
 
     compute     a plain loop of the module's training step on one GPU-resident uint8 batch:
               forward + prediction_loss under bf16 autocast, backward, clipping, the project's
-              fused AdamW (mpp.optim) and schedule. No Lightning and no host data, so its img/s
+              fused AdamW (mpp.train.optim) and schedule. No Lightning and no host data, so its img/s
               is the model's own speed, and MFU is computed from it.
     fit/mem     pytorch_lightning.Trainer.fit of the same module (precision bf16-mixed) on pinned
               in-memory uint8 batches: what Lightning and the host-to-device copy cost.
@@ -48,13 +48,21 @@ import pytorch_lightning as pl
 import torch
 
 # A script's folder is on sys.path: the fit arms, shard writer and alternation are bench_fit's.
-from bench_fit import TARGET, Rates, alternate, fit_arms, load_run_config, quiet_lightning, write_photo_shards
+from bench_fit import (
+    TARGET,
+    Rates,
+    alternate,
+    fit_arms,
+    load_run_config,
+    quiet_lightning,
+    write_photo_shards,
+)
 
 from mpp import MaskedPatchPretraining
-from mpp.images import to_unit_range
-from mpp.optim import OptimizerConfig, configure_optimizer
-from mpp.targets import prediction_loss
-from mpp.vit import ViTConfig, pair
+from mpp.model.pixels import pair, to_unit_range
+from mpp.model.targets import prediction_loss
+from mpp.model.vit import ViTConfig
+from mpp.train.optim import OptimizerConfig, configure_optimizer
 
 REFERENCE_GFLOPS = 105.0  # the usual figure for a ViT-B/16 training step at 224 px: 3 x 35 GFLOPs forward
 SMOKE_ENCODER = {"image_size": 32, "patch_size": 8, "channels": 3, "dim": 64, "depth": 2, "heads": 2, "mlp_dim": 128}

@@ -26,8 +26,8 @@ import webdataset
 from PIL import Image, ImageDraw, ImageFilter
 from torch.utils.data import DataLoader, Dataset
 
-from mpp.data import ShardDataModule
-from mpp.transforms import random_resized_box
+from mpp.data.module import ShardDataModule
+from mpp.data.transforms import random_resized_box
 
 
 def synthetic_photo(rng: np.random.Generator, side: int) -> Image.Image:

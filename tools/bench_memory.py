@@ -64,7 +64,9 @@ def children_mb() -> float | None:
 
 def one_pass(pattern: str, *, workers: int, shuffle_buffer: int, batch: int, image_size: int) -> dict[str, float | None]:
     """Read every sample of `pattern` once; the memory figures of this process (see the module docstring)."""
-    from mpp.data import ShardDataModule  # here: the parent process, which only writes shards, needs no torch
+    from mpp.data.module import (
+        ShardDataModule,  # here: the parent process, which only writes shards, needs no torch
+    )
 
     dm = ShardDataModule(train=pattern, batch_size=batch, num_workers=workers, image_size=image_size,
                          channels=3, shuffle_buffer=shuffle_buffer, resampled=False)

@@ -21,8 +21,8 @@ import torch
 import yaml
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
-from mpp.images import to_unit_range
-from mpp.targets import prediction_loss
+from mpp.model.pixels import to_unit_range
+from mpp.model.targets import prediction_loss
 
 PRESET = Path(__file__).parents[1] / "configs" / "model" / "vit_b.yaml"
 

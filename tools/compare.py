@@ -27,8 +27,8 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mpp.fewshot import evaluate_checkpoint  # noqa: E402
-from mpp.wandb_records import history  # noqa: E402
+from mpp.eval.fewshot import evaluate_checkpoint  # noqa: E402
+from mpp.eval.records import history  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"finetune": "MPP pretrained, fine-tuned", "scratch": "from scratch"}

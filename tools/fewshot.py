@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from mpp.fewshot import evaluate_checkpoint
-from mpp.vit import pair
+from mpp.eval.fewshot import evaluate_checkpoint
+from mpp.model.pixels import pair
 
 
 def render(path: str, results: dict[int, float], *, seeds: int, train: int, test: int) -> str:

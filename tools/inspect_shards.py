@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from mpp.inspection import Inspection, inspect_shards
-from mpp.sources import ShardError
+from mpp.shards.format import ShardError
+from mpp.shards.inspector import Inspection, inspect_shards
 
 
 def _counts(counter: Counter, name: Callable[[Any], str] = str) -> str:

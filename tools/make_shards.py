@@ -21,8 +21,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mpp.shards import WriteOptions, write_shards, write_split
-from mpp.sources import FASHION_MNIST_DIR, ShardError, Source, cifar, fashion_mnist, flat_folder, image_folder
+from mpp.shards.format import ShardError
+from mpp.shards.sources import (
+    FASHION_MNIST_DIR,
+    Source,
+    cifar,
+    fashion_mnist,
+    flat_folder,
+    image_folder,
+)
+from mpp.shards.writer import WriteOptions, write_shards, write_split
 
 
 def _positive(text: str) -> int:

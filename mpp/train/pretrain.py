@@ -14,13 +14,19 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
-from mpp.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
-from mpp.guards import LossGuard, LossGuardCheck, Policy
-from mpp.images import Normalise, to_unit_range
-from mpp.optim import (OptimizerConfig, configure_optimizer, global_batch_size, log_nothing, logging_step,
-                       total_steps)
-from mpp.targets import TargetConfig, prediction_accuracy, prediction_loss
-from mpp.vit import ViT, ViTConfig, pick
+from mpp.model.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
+from mpp.model.pixels import Normalise, to_unit_range
+from mpp.model.targets import TargetConfig, prediction_accuracy, prediction_loss
+from mpp.model.vit import ViT, ViTConfig, pick
+from mpp.train.guards import LossGuard, LossGuardCheck, Policy
+from mpp.train.optim import (
+    OptimizerConfig,
+    configure_optimizer,
+    global_batch_size,
+    log_nothing,
+    logging_step,
+    total_steps,
+)
 
 
 class MPPOutput(NamedTuple):
@@ -50,7 +56,7 @@ class MaskedPatchPretraining(pl.LightningModule):
         pixel_std: likewise.
         compile: compile `forward` (targets, corruption, encoder, head) with torch.compile; shapes
             are static, so it compiles once for training and once for evaluation.
-        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.guards).
+        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.guards).
     """
 
     def __init__(
@@ -116,7 +122,7 @@ class MaskedPatchPretraining(pl.LightningModule):
 
     def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor | None:
         images = batch["image"] if isinstance(batch, dict) else batch
-        if images.shape[0] == 0:  # a rank in step with those still evaluating (mpp.data.ShardLoader)
+        if images.shape[0] == 0:  # a rank in step with those still evaluating (mpp.data.loader)
             names = ["loss"] if self.target.kind == "pixels" else ["loss", "mpp_accuracy"]
             log_nothing(self, stage, names)
             return None

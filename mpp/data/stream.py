@@ -3,22 +3,18 @@
 A worker opens its shards in turn, groups tar members into samples, shuffles them in a
 buffer, decodes and augments each image and collates batches. A sample or shard that cannot
 be read is dropped and counted in the next batch's "skipped". While it works, a worker
-writes where it is (its shard, the sample it decodes) into shared memory, so that the main
+writes where it is (mpp.data.workers) (its shard, the sample it decodes) into shared memory, so that the main
 process can name them if the worker is killed.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import multiprocessing
-import os
 import random
-import signal
 import tarfile
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,11 +22,12 @@ import webdataset
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mpp.errors import STOP_SIGNALS
+from mpp.data.remote import ShardOpenError, open_url
+from mpp.data.transforms import ImageTransform
+from mpp.data.workers import Trail, Whereabouts
 from mpp.secrets import redact
-from mpp.storage import ShardOpenError, open_url
-from mpp.tarstream import MemberOrderError, iter_samples
-from mpp.transforms import IMAGE_EXTENSIONS, ImageTransform
+from mpp.shards.images import IMAGE_EXTENSIONS
+from mpp.shards.tar import MemberOrderError, iter_samples
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +74,7 @@ class ShardStream(IterableDataset):
         # Seeded by everything that should change the stream, so runs are reproducible.
         rng = random.Random(f"{self.seed}/{self.epoch}/{self.start_step}/{self.rank}/{worker}")
         skips = _Skips()
-        trail = _Trail(self.whereabouts, worker)
+        trail = Trail(self.whereabouts, worker)
         if info is not None:
             trail.record_stop_signals()
         samples = _tar_samples(self._shard_order(rng, worker, num_workers, skips), skips, self.allow_pipe, trail)
@@ -154,7 +151,7 @@ class _Skips:
         return count
 
 
-def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: _Trail) -> Iterator[dict[str, Any]]:
+def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: Trail) -> Iterator[dict[str, Any]]:
     """Shard URLs -> samples {"__key__", "__url__", extension: bytes}; a tar that breaks off counts one skip.
 
     The break also drops the sample in hand (it may lack a member), so a sample is read only
@@ -182,7 +179,7 @@ def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: _T
 
 
 def _decoded(samples: Iterator[dict[str, Any]], transform: ImageTransform, rng: random.Random,
-             skips: _Skips, trail: _Trail) -> Iterator[tuple[np.ndarray, int]]:
+             skips: _Skips, trail: Trail) -> Iterator[tuple[np.ndarray, int]]:
     """Samples -> (image (H, W, C) uint8, label or -1); bad samples are counted and dropped."""
     for sample in samples:
         trail.decoding(sample["__key__"], sample["__url__"])
@@ -229,27 +226,6 @@ def _batches(examples: Iterator[tuple[np.ndarray, int]], batch_size: int, skips:
         yield held
 
 
-def fold_skip_only_batches(batches: Iterator[Batch]) -> Iterator[Batch]:
-    """The batches with images; the count of a batch of none (from a worker that had nothing good
-    to read) is added to another. Run on the DataLoader's output, in the main process; the last
-    batch is held back until the stream ends, as a batch of none can come after it."""
-    held: Batch | None = None
-    carried = 0
-    for batch in batches:
-        if len(batch["label"]) == 0:
-            carried += int(batch["skipped"])
-            continue
-        if held is not None:
-            yield held
-        batch["skipped"] += carried
-        held, carried = batch, 0
-    if held is not None:
-        held["skipped"] += carried
-        yield held
-    elif carried:
-        log.warning("skipped %d samples and had not one left to batch", carried)
-
-
 def _collate(pixels: list[np.ndarray], labels: list[int], skipped: int,
              shape: tuple[int, int, int] | None = None) -> Batch:
     """(H, W, C) arrays -> a batch; one strided copy per image (numpy's is twice as fast as torch.stack's).
@@ -264,84 +240,3 @@ def _collate(pixels: list[np.ndarray], labels: list[int], skipped: int,
             "skipped": torch.tensor(skipped, dtype=torch.int64)}
 
 
-class Position(NamedTuple):
-    """Where one DataLoader worker was: pid 0 if it never wrote; `stopped_by` the stopping signal
-    (SIGTERM, SIGINT, SIGHUP) it received, 0 if none."""
-
-    worker: int
-    pid: int
-    shard: str
-    sample: str
-    stopped_by: int = 0
-
-    def describe(self) -> str:
-        where = f"reading shard {self.shard}" if self.shard else "before it opened a shard"
-        doing = f", decoding sample {self.sample}" if self.sample else ""
-        return f"worker {self.worker} (pid {self.pid}) {where}{doing}"
-
-
-class Whereabouts:
-    """Each DataLoader worker's pid, the shard it reads and the sample it decodes, in shared memory.
-
-    The main process creates it before the workers start (forked workers inherit it, spawned
-    ones receive it as they start), so it can still be read after a worker is killed by a
-    signal (the OOM killer, a crash in a decoder). Each worker writes only its own slot.
-    """
-
-    SLOT = 4096  # bytes per worker: room for long signed URLs
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self.memory = multiprocessing.RawArray(ctypes.c_char, workers * self.SLOT)
-
-    def write(self, worker: int, shard: str, sample: str, stopped_by: int = 0) -> None:
-        # Cut by bytes so the fields fit one slot; a character cut in half reads as U+FFFD.
-        fields = [str(os.getpid()).encode(), shard.encode("utf-8", "replace")[:2560],
-                  sample.encode("utf-8", "replace")[:1500], str(stopped_by).encode()]
-        data = b"\0".join(fields) + b"\0"
-        start = worker * self.SLOT
-        self.memory[start : start + len(data)] = data
-
-    def read(self) -> list[Position]:
-        positions = []
-        for worker in range(self.workers):
-            slot = self.memory[worker * self.SLOT : (worker + 1) * self.SLOT]
-            pid, shard, sample, stopped_by = (slot.split(b"\0") + [b"", b"", b""])[:4]
-            positions.append(Position(worker, int(pid) if pid.isdigit() else 0, shard.decode("utf-8", "replace"),
-                                      sample.decode("utf-8", "replace"),
-                                      int(stopped_by) if stopped_by.isdigit() else 0))
-        return positions
-
-
-class _Trail:
-    """One worker's writer into Whereabouts (a no-op without workers: a death there ends the process)."""
-
-    def __init__(self, whereabouts: Whereabouts | None, worker: int) -> None:
-        self.whereabouts, self.worker = whereabouts, worker
-        self.shard = self.sample = ""
-
-    def reading(self, url: str) -> None:
-        self.shard = url
-        if self.whereabouts is not None:
-            self.whereabouts.write(self.worker, self.shard, self.sample)
-
-    def decoding(self, key: str, url: str) -> None:
-        self.sample = key if url == self.shard else f"{key} of shard {url}"
-        if self.whereabouts is not None:
-            self.whereabouts.write(self.worker, self.shard, self.sample)
-
-    def record_stop_signals(self) -> None:
-        """In a worker: note a stopping signal in Whereabouts, then die of it as before. torch's words
-        for the death ("exited unexpectedly", where it noticed while waiting for a batch) do not
-        always say the signal, and a stopped run is not a crash nor the out-of-memory killer."""
-        if self.whereabouts is None:
-            return
-
-        def stopped(signum: int, frame: object) -> None:
-            self.whereabouts.write(self.worker, self.shard, self.sample, stopped_by=signum)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-        for signum in STOP_SIGNALS:
-            if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
-                signal.signal(signum, stopped)

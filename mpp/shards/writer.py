@@ -17,8 +17,8 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-
-from mpp.sources import EOF_MARKER, FORMAT, ShardError, Source
+from mpp.shards.format import EOF_MARKER, FORMAT, ShardError
+from mpp.shards.sources import Source
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ The two arms differ only by config: `pretrained` (a checkpoint, or null) and the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any
 
 import pytorch_lightning as pl
@@ -17,66 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mpp.guards import LossGuard, LossGuardCheck, Policy
-from mpp.images import Normalise, to_unit_range
-from mpp.optim import (OptimizerConfig, configure_optimizer, global_batch_size, log_nothing, logging_step,
-                       total_steps)
-from mpp.pretrain import as_config
-from mpp.vit import ViT, ViTConfig, pair
-
-# Settings that shape no tensor: a checkpoint's encoder may differ from the configured one in these.
-_NOT_ARCHITECTURE = ("image_size", "dropout")
-
-
-def _architecture(config: dict[str, Any]) -> dict[str, Any]:
-    """The fields of an encoder config that decide its tensors, sizes as (height, width)."""
-    return {
-        name: pair(value) if name == "patch_size" else value
-        for name, value in config.items()
-        if name not in _NOT_ARCHITECTURE
-    }
-
-
-def load_encoder(path: str, *, expected: ViTConfig | None = None) -> ViT:
-    """The encoder of a checkpoint written by MaskedPatchPretraining or ImageClassifier, built at
-    the checkpoint's image size; only `encoder.*` tensors are read (no heads, no mask token).
-
-    Args:
-        path: the `.ckpt` file.
-        expected: the encoder the caller configured; every field but image size and dropout
-            must match the checkpoint's, and its dropout is used.
-    """
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    if "encoder_config" not in checkpoint or "state_dict" not in checkpoint:
-        raise ValueError(
-            f"checkpoint {path} has no encoder_config or state_dict: give a checkpoint written by "
-            "MaskedPatchPretraining or ImageClassifier (runs/<name>/checkpoints/*.ckpt)"
-        )
-    saved = {f.name: checkpoint["encoder_config"][f.name] for f in fields(ViTConfig) if f.name in checkpoint["encoder_config"]}
-    config = ViTConfig(**saved)
-    if expected is not None:
-        wanted, found = _architecture(asdict(expected)), _architecture(asdict(config))
-        differing = [f"encoder.{k}: configured {wanted[k]}, checkpoint {found[k]}" for k in wanted if wanted[k] != found[k]]
-        if differing:
-            raise ValueError(f"the encoder of checkpoint {path} does not match the configured one: " + "; ".join(differing))
-        config = ViTConfig(**{**asdict(expected), "image_size": config.image_size})
-    encoder = ViT(config)
-    weights = {k.removeprefix("encoder."): v for k, v in checkpoint["state_dict"].items() if k.startswith("encoder.")}
-    own = encoder.state_dict()
-    missing = sorted(own.keys() - weights.keys())
-    unexpected = sorted(weights.keys() - own.keys())
-    mismatched = [
-        f"{k} {tuple(weights[k].shape)} (encoder wants {tuple(own[k].shape)})"
-        for k in sorted(own.keys() & weights.keys())
-        if weights[k].shape != own[k].shape
-    ]
-    if missing or unexpected or mismatched:
-        raise ValueError(
-            f"the encoder tensors of checkpoint {path} do not fit the encoder: "
-            f"missing {missing or 'none'}; unexpected {unexpected or 'none'}; other shapes {mismatched or 'none'}"
-        )
-    encoder.load_state_dict(weights, strict=True)
-    return encoder
+from mpp.model.checkpoint import load_encoder
+from mpp.model.pixels import Normalise, to_unit_range
+from mpp.model.vit import ViT, ViTConfig
+from mpp.train.guards import LossGuard, LossGuardCheck, Policy
+from mpp.train.optim import (
+    OptimizerConfig,
+    configure_optimizer,
+    global_batch_size,
+    log_nothing,
+    logging_step,
+    total_steps,
+)
+from mpp.train.pretrain import as_config
 
 
 class ImageClassifier(pl.LightningModule):
@@ -95,7 +48,7 @@ class ImageClassifier(pl.LightningModule):
         pixel_std: likewise.
         class_names: names of the K classes for the per-class test accuracies (default: indices).
         compile: compile `forward` (normalise, encoder, head) with torch.compile.
-        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.guards).
+        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.guards).
     """
 
     def __init__(
@@ -161,7 +114,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _step(self, batch: dict[str, Tensor], stage: str) -> Tensor | None:
         labels = batch["label"]
-        if labels.shape[0] == 0:  # a rank in step with those still evaluating (mpp.data.ShardLoader)
+        if labels.shape[0] == 0:  # a rank in step with those still evaluating (mpp.data.loader)
             log_nothing(self, stage, ["loss", "accuracy"])
             return None
         logits = self(to_unit_range(batch["image"]))

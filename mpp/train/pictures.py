@@ -14,23 +14,10 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from mpp.corruption import MASKED, REPLACED, CorruptedPatches
-from mpp.targets import TargetConfig
-from mpp.vit import pair, patchify, pick
-
-
-def class_colours(classes: Tensor, *, bits: int, channels: int) -> Tensor:
-    """(...) colour classes -> (..., C) the centre of each class's colour cell, in [0, 1]."""
-    levels = 2**bits
-    digits = [(classes // levels ** (channels - 1 - c)) % levels for c in range(channels)]
-    return (torch.stack(digits, dim=-1).float() + 0.5) / levels
-
-
-def unpatchify(patches: Tensor, grid: tuple[int, int], patch_size: tuple[int, int], channels: int) -> Tensor:
-    """(B, N, P_h·P_w·C) -> (B, C, H, W), the inverse of `patchify`."""
-    return rearrange(
-        patches, "b (gh gw) (ph pw c) -> b c (gh ph) (gw pw)", gh=grid[0], gw=grid[1], ph=patch_size[0], c=channels
-    )
+from mpp.model.corruption import MASKED, REPLACED, CorruptedPatches
+from mpp.model.pixels import pair, patchify, unpatchify
+from mpp.model.targets import TargetConfig, class_colours
+from mpp.model.vit import pick
 
 
 def target_patches(values: Tensor, target: TargetConfig, patch_size: tuple[int, int], channels: int, reference: Tensor) -> Tensor:

@@ -1,15 +1,11 @@
-"""Where shards come from: URL expansion and openers for s3://, gs://, http(s):// and pipe:.
-
-Importing this module installs the s3, gs, http and https openers in webdataset's gopen
-table (which otherwise shells out to curl / gsutil and has no s3), so any process that
-imports it, DataLoader workers included, reads those URLs the same way.
+"""Reading one shard: a local file, file://, http(s)://, s3://, gs://, or (opted in) pipe:.
 
 - s3:// goes through s3fs: the usual AWS chain (AWS_ACCESS_KEY_ID / AWS_PROFILE / instance
   role), AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) for non-AWS endpoints, read by botocore.
 - gs:// goes through gcsfs: Google application-default credentials, anonymous as a last
   resort, and STORAGE_EMULATOR_HOST for an emulator.
 - http(s):// is read with urllib.
-- pipe: runs a shell command, so it is refused unless the caller passes allow_pipe=True.
+- pipe: runs a shell command (webdataset's pipe reader), refused unless allow_pipe=True.
 
 Remote reads outlast an endpoint that drops connections or answers 5xx for a while: a failed
 open or read is tried again after a pause that doubles each time (MPP_READ_RETRIES, default 5;
@@ -22,28 +18,24 @@ Error messages pass through `mpp.secrets.redact`, so a presigned URL's signature
 from __future__ import annotations
 
 import contextlib
-import glob
 import http.client
 import io
 import os
-import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 # gcsfs reads this when imported: its default gRPC bucket-type lookup waits about a minute
 # per bucket against endpoints that do not speak gRPC (emulators, proxies).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-import braceexpand
 import webdataset
-from webdataset.gopen import gopen_schemes
 
+from mpp.data.urls import check_pipe_allowed
 from mpp.secrets import redact
 
-REMOTE_SCHEMES = ("http", "https", "s3", "gs")
 BLOCK_SIZE = 8 << 20  # bytes per bucket request: tar shards are read front to back
 BUFFER_SIZE = 1 << 20  # bytes per read from a remote stream
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
@@ -62,99 +54,27 @@ class ShardOpenError(OSError):
         super().__init__(redact(message))
 
 
-def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[str]:
-    """A shard spec (path, brace pattern, local glob, URL, or a list of those) -> the list of shard URLs.
-
-    Local shards must exist; `pipe:` commands are refused unless `allow_pipe`.
-    """
-    items = [spec] if isinstance(spec, str) else list(spec)
-    if not items:
-        raise ValueError("the shard list is empty: give a path, a brace pattern or a URL")
-    urls: list[str] = []
-    for item in items:
-        for url in braceexpand.braceexpand(item):
-            urls.extend(_checked(url, item, allow_pipe))
-    return urls
-
-
-def _checked(url: str, item: str, allow_pipe: bool) -> list[str]:
-    """One expanded entry -> its shard URLs, or an error saying what is wrong with it."""
-    if url.startswith("pipe:"):
-        check_pipe_allowed(url, allow_pipe=allow_pipe)
-        return [url]
-    scheme = url.split("://", 1)[0] if "://" in url else ""
-    if scheme in REMOTE_SCHEMES:
-        return [url]
-    if scheme not in ("", "file"):
-        raise ValueError(f"shard {url!r}: unsupported scheme {scheme!r}; use a path, http(s)://, s3://, gs:// or pipe:")
-    path = url[len("file://") :] if scheme == "file" else url
-    if glob.has_magic(path):
-        matches = sorted(glob.glob(path))
-        if not matches:
-            raise FileNotFoundError(f"shard pattern {item!r} matches no file{_relative(path)}")
-        return matches
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"shard {path} is a folder, not a tar file: {folder_patterns(path)}")
-    if not os.path.isfile(path):
-        origin = "" if item == url else f" (from {item!r})"
-        raise FileNotFoundError(f"shard {path}{origin} does not exist{_relative(path)}")
-    return [path]
-
-
-def folder_patterns(folder: str) -> str:
-    """What to give instead of a folder: a brace pattern for each run of numbered tars in it."""
-    runs: dict[tuple[str, str], list[str]] = {}
-    for name in sorted(os.listdir(folder)):
-        if match := re.fullmatch(r"(.*?)(\d+)(\.tar|\.tar\.gz|\.tgz)", name):
-            runs.setdefault((match.group(1), match.group(3)), []).append(match.group(2))
-    if not runs:
-        return "it holds no numbered .tar shards; give a path, a brace pattern or a glob of tar files"
-    base = folder.rstrip("/")
-    patterns = []
-    for (prefix, suffix), numbers in runs.items():
-        numbered = [int(n) for n in numbers]
-        contiguous = numbered == list(range(numbered[0], numbered[0] + len(numbered)))
-        if len(numbers) == 1:
-            patterns.append(f"'{base}/{prefix}{numbers[0]}{suffix}'")
-        elif contiguous and len({len(n) for n in numbers}) == 1:
-            patterns.append(f"'{base}/{prefix}{{{numbers[0]}..{numbers[-1]}}}{suffix}'")
-        else:
-            patterns.append(f"'{base}/{prefix}*{suffix}'")
-    return "give its shards as a pattern, e.g. " + " or ".join(patterns)
-
-
-def _relative(path: str) -> str:
-    return "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
-
-
-def check_pipe_allowed(url: str, *, allow_pipe: bool) -> None:
-    """Refuse a `pipe:` URL unless the config opted in: it runs an arbitrary shell command."""
-    if url.startswith("pipe:") and not allow_pipe:
-        raise ValueError(
-            f"refusing shard {url!r}: pipe: URLs run shell commands; "
-            "set allow_pipe=True in the data config if you trust this command"
-        )
-
-
 def open_url(url: str, *, allow_pipe: bool = False) -> BinaryIO:
     """Open one shard for reading: local path, file://, http(s)://, s3://, gs:// or (opted in) pipe:."""
     check_pipe_allowed(url, allow_pipe=allow_pipe)
+    scheme = url.split("://", 1)[0] if "://" in url else ""
     try:
-        return webdataset.gopen(url, "rb")
+        if url.startswith("pipe:"):
+            return webdataset.gopen(url, "rb")
+        if scheme in ("http", "https"):
+            return open_http(url)
+        if scheme in ("s3", "gs"):
+            return open_bucket(url)
+        return open(url.removeprefix("file://"), "rb")
     except ShardOpenError:
         raise
     except Exception as exc:
         raise ShardOpenError(f"cannot open shard {url}: {type(exc).__name__}: {exc}") from exc
 
 
-def open_bucket(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> BinaryIO:
-    """gopen handler for s3:// and gs:// through fsspec; reads are retried and resumed."""
+def open_bucket(url: str) -> BinaryIO:
+    """An s3:// or gs:// object through fsspec, read front to back; reads are retried and resumed."""
     scheme = url.split("://", 1)[0]
-    if not mode.startswith("r"):
-        try:
-            return _filesystem(scheme).open(url, mode)
-        except Exception as exc:
-            raise ShardOpenError(f"cannot open {url}: {type(exc).__name__}: {exc}{_HINTS[scheme]}") from exc
 
     def open_at(offset: int) -> tuple[BinaryIO, int]:
         file = _filesystem(scheme).open(url, "rb", block_size=BLOCK_SIZE, cache_type="readahead")
@@ -190,10 +110,8 @@ def _filesystem(scheme: str) -> Any:
     return _filesystems[key]
 
 
-def open_http(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> BinaryIO:
-    """gopen handler for http(s)://: GET, retried and resumed with Range requests."""
-    if not mode.startswith("r"):
-        raise ValueError(f"cannot write to {redact(url)}: http(s) shards are read-only")
+def open_http(url: str) -> BinaryIO:
+    """An http(s):// shard: GET, retried and resumed with Range requests."""
 
     def open_at(offset: int) -> tuple[BinaryIO, int | None]:
         headers = {"Range": f"bytes={offset}-"} if offset else {}
@@ -222,25 +140,22 @@ def _discard(response: http.client.HTTPResponse, count: int) -> None:
 
 
 def retry_settings() -> tuple[int, float]:
-    """(retries, first pause in seconds) for remote reads: MPP_READ_RETRIES and MPP_READ_BACKOFF.
-
-    MPP_HTTP_RETRIES and MPP_HTTP_BACKOFF, the names from when only http(s) was retried, still work.
-    """
+    """(retries, first pause in seconds) for remote reads: MPP_READ_RETRIES and MPP_READ_BACKOFF."""
     return _setting("RETRIES", int, 5), _setting("BACKOFF", float, 1.0)
 
 
 def _setting(name: str, kind: type, default: float) -> Any:
-    for key in (f"MPP_READ_{name}", f"MPP_HTTP_{name}"):
-        if key in os.environ:
-            try:
-                value = kind(os.environ[key])
-            except ValueError:
-                value = -1
-            if value < 0:
-                what = "a whole number" if kind is int else "a number of seconds"
-                raise ValueError(f"{key}={os.environ[key]!r}: expected {what}, 0 or more")
-            return value
-    return default
+    key = f"MPP_READ_{name}"
+    if key not in os.environ:
+        return default
+    try:
+        value = kind(os.environ[key])
+    except ValueError:
+        value = -1
+    if value < 0:
+        what = "a whole number" if kind is int else "a number of seconds"
+        raise ValueError(f"{key}={os.environ[key]!r}: expected {what}, 0 or more")
+    return value
 
 
 class _ResumingStream(io.RawIOBase):
@@ -308,14 +223,3 @@ class _ResumingStream(io.RawIOBase):
     def close(self) -> None:
         self._close_stream()
         super().close()
-
-
-def register_openers() -> None:
-    """Install this module's openers for s3, gs, http and https in webdataset's gopen table."""
-    for scheme in ("s3", "gs"):
-        gopen_schemes[scheme] = open_bucket
-    for scheme in ("http", "https"):
-        gopen_schemes[scheme] = open_http
-
-
-register_openers()

@@ -24,25 +24,19 @@ is not interrupted starts each epoch at a fixed step, so it is reproducible as b
 from __future__ import annotations
 
 import logging
-import os
-import re
-import signal
-import threading
-import weakref
-from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
-from types import FrameType
+from collections.abc import Callable
 
 import pytorch_lightning as pl
-import torch
-from torch.utils.data import DataLoader
 
-from mpp.errors import ConfigError, RunStopped, raised_in_worker, stop_signal
+from mpp.data.loader import ShardLoader
+from mpp.data.stream import ShardStream
+from mpp.data.transforms import ImageTransform
+from mpp.data.urls import expand_urls
+from mpp.errors import ConfigError
+from mpp.model.pixels import pair
+from mpp.model.vit import ViTConfig
 from mpp.secrets import redact, redact_tree
-from mpp.storage import expand_urls
-from mpp.stream import Batch, Position, ShardStream, Whereabouts, fold_skip_only_batches, some_urls
-from mpp.transforms import DEFAULT_MAX_PIXELS, ImageTransform
-from mpp.vit import ViTConfig, pair
+from mpp.shards.images import DEFAULT_MAX_PIXELS
 
 log = logging.getLogger(__name__)
 
@@ -57,188 +51,6 @@ def _plain(value: object) -> object:
 def _require(ok: bool, name: str, value: object, wanted: str) -> None:
     if not ok:
         raise ValueError(f"ShardDataModule: {name}={value!r} is invalid; it must be {wanted}")
-
-
-class EmptyEpochError(RuntimeError):
-    """An epoch of a split yielded not one batch: every shard empty, unreadable or skipped."""
-
-
-class ShardLoader:
-    """Iterates a DataLoader over a ShardStream: sets the stream's (epoch, start step) first, cuts
-    resampled epochs, names the shard and sample of a worker that dies, and stops an epoch that
-    yields nothing.
-
-    `in_step` keeps the ranks of an evaluation in step: given whether this rank has another batch,
-    it answers whether any rank has (one collective per batch). A rank whose shards are spent then
-    yields empty batches until every rank is done, so all run the same number of steps; an empty
-    batch counts for nothing in the metrics (its batch size is 0).
-    """
-
-    def __init__(self, stream: ShardStream, *, split: str, num_workers: int,
-                 position: Callable[[], tuple[int, int]], num_batches: int | None,
-                 in_step: Callable[[bool], bool] | None = None) -> None:
-        self.stream, self.split, self.num_batches, self._position = stream, split, num_batches, position
-        self.in_step = in_step
-        # Batches are collated inside the workers (batch_size=None), where skips are counted.
-        self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
-                                 pin_memory=torch.cuda.is_available())
-
-    def __iter__(self) -> Iterator[Batch]:
-        self.stream.epoch, self.stream.start_step = self._position()
-        workers = self.loader.num_workers
-        self.stream.whereabouts = whereabouts = Whereabouts(workers) if workers else None
-        if whereabouts is not None:
-            _watched.add(whereabouts)
-        # iter() starts the workers, each with a copy of the stream as it is now.
-        batches = fold_skip_only_batches(iter(self.loader))
-        if self.num_batches is not None:
-            batches = islice(batches, self.num_batches)
-        if whereabouts is not None:
-            _watch_worker_deaths()  # after iter(): torch installs its SIGCHLD handler there
-            batches = _naming_deaths(batches, whereabouts)
-        if self.in_step is not None:
-            return self._in_step(batches, self.in_step)
-        return self._not_empty(batches)
-
-    def __len__(self) -> int:
-        if self.num_batches is None:
-            raise TypeError("a stream that is not resampled has no fixed length")
-        return self.num_batches
-
-    def _not_empty(self, batches: Iterator[Batch]) -> Iterator[Batch]:
-        """The batches; an epoch that ends before its first batch is an error naming the shards."""
-        count = 0
-        for count, batch in enumerate(batches, 1):
-            yield batch
-        if count == 0:
-            raise self._empty()
-
-    def _in_step(self, batches: Iterator[Batch], any_rank: Callable[[bool], bool]) -> Iterator[Batch]:
-        """This rank's batches, then empty ones for as long as another rank still has batches."""
-        first = True
-        while True:
-            batch = next(batches, None)
-            if not any_rank(batch is not None):
-                if first:
-                    raise self._empty(everywhere=True)
-                return
-            first = False
-            yield batch if batch is not None else self._empty_batch()
-
-    def _empty_batch(self) -> Batch:
-        channels, (height, width) = self.stream.transform.channels, self.stream.transform.size
-        return {"image": torch.empty((0, channels, height, width), dtype=torch.uint8),
-                "label": torch.empty((0,), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64)}
-
-    def _empty(self, everywhere: bool = False) -> EmptyEpochError:
-        urls = self.stream.urls
-        shown = some_urls(urls)
-        where = " on any rank" if everywhere else (f" on rank {self.stream.rank}" if self.stream.world_size > 1 else "")
-        return EmptyEpochError(redact(
-            f"data.{self.split} yielded no batch{where}: its {len(urls)} shard(s) ({shown}) hold no sample that "
-            "could be read (empty tars, or every sample skipped: the warnings above say why); check them with "
-            "`python tools/inspect_shards.py <shards> --verify`"))
-
-
-class WorkerDiedError(RuntimeError):
-    """A DataLoader worker was killed or exited; the message names the shard it was reading."""
-
-
-def _naming_deaths(batches: Iterator[Batch], whereabouts: Whereabouts) -> Iterator[Batch]:
-    """The batches; an error met while waiting for one, where a worker has died, names its shard.
-
-    Besides torch's own error, a worker killed just after it queued a batch makes fetching that
-    batch fail with an OSError (its tensors are passed through a socket of the dead worker).
-    """
-    try:
-        yield from batches
-    except (WorkerDiedError, RunStopped):
-        raise
-    except (RuntimeError, OSError) as error:
-        if raised_in_worker(error):  # the worker's own error, passed on by torch: not a death
-            raise
-        positions = whereabouts.read()
-        dead = _torch_death_pids(error) or _exited({p.pid for p in positions if p.pid})
-        if not dead:
-            raise
-        raise _died(error, positions, dead) from error
-    finally:
-        _watched.discard(whereabouts)
-
-
-# The positions of the workers of every loader being iterated, for the SIGCHLD handler below.
-_watched: weakref.WeakSet[Whereabouts] = weakref.WeakSet()
-
-
-def _watch_worker_deaths() -> None:
-    """Wrap the SIGCHLD handler torch installs, so that the error for a dead worker names its shard.
-
-    torch raises that error from the handler, in the main thread wherever it is when the signal
-    comes: in a training step as often as in the loader, where _naming_deaths cannot see it.
-    Signal handlers can only be set from the main thread; elsewhere _naming_deaths remains.
-    """
-    if not hasattr(signal, "SIGCHLD") or threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.getsignal(signal.SIGCHLD)
-    if not callable(previous) or getattr(previous, "names_dead_workers", False):
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        try:
-            previous(signum, frame)
-        except RuntimeError as error:
-            dead = _torch_death_pids(error)
-            if not dead:
-                raise
-            raise _died(error, [p for w in list(_watched) for p in w.read()], dead) from error
-
-    handler.names_dead_workers = True  # type: ignore[attr-defined]
-    signal.signal(signal.SIGCHLD, handler)
-
-
-def _torch_death_pids(error: BaseException) -> set[int]:
-    """The pids in torch's "DataLoader worker (pid N) is killed by signal" / "(pid(s) N, M) exited" errors."""
-    match = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\)", str(error))
-    return {int(pid) for pid in match.group(1).split(",")} if match else set()
-
-
-def _exited(pids: Iterable[int]) -> set[int]:
-    """Those of this process's child pids that have exited, without reaping them (torch does that)."""
-    if not hasattr(os, "waitid"):
-        return set()
-    gone = set()
-    for pid in pids:
-        try:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                gone.add(pid)
-        except ChildProcessError:  # reaped already
-            gone.add(pid)
-    return gone
-
-
-def _died(error: BaseException, positions: list[Position], dead: set[int]) -> WorkerDiedError | RunStopped:
-    """The error naming where each dead worker was; torch's words for how it died are kept. A worker
-    stopped by SIGTERM, SIGINT or SIGHUP was not killed for memory: the run was asked to stop."""
-    cause, seen = error, set()
-    while cause is not None and id(cause) not in seen:  # the handler's error, below torch's "exited"
-        if isinstance(cause, WorkerDiedError):  # a fresh error: raising `cause` from `error` would loop the chain
-            return WorkerDiedError(str(cause))
-        if isinstance(cause, RunStopped):
-            return RunStopped(str(cause), cause.signum)
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    known = {p.pid: p.describe() for p in positions}
-    where = "; ".join(known.get(pid, f"pid {pid}, which had not opened a shard") for pid in sorted(dead))
-    signals = [p.stopped_by for p in positions if p.pid in dead and p.stopped_by]
-    signum = stop_signal(str(error)) or (signals[0] if signals else None)
-    if signum is not None:  # sent to the whole process group: a scheduler's stop, `kill`, Ctrl-C
-        return RunStopped(redact(
-            f"the run was stopped by {signal.Signals(signum).name}, which also stopped its DataLoader workers "
-            f"({where}); resume with --ckpt_path last"), signum)
-    return WorkerDiedError(redact(
-        f"a DataLoader worker died: {where}. {type(error).__name__}: {str(error).rstrip()} If it was killed "
-        "(often by the out-of-memory killer), use fewer workers or a smaller shuffle_buffer; if it crashed, "
-        "try that sample on its own."))
 
 
 class ShardDataModule(pl.LightningDataModule):

@@ -10,7 +10,7 @@ from typing import Any
 
 from pytorch_lightning.strategies import FSDPStrategy
 
-from mpp.vit import Block
+from mpp.model.vit import Block
 
 
 class BlockFSDPStrategy(FSDPStrategy):

@@ -16,15 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-Size2d = tuple[int, int]
-
-
-def pair(value: int | tuple[int, int] | list[int]) -> Size2d:
-    """An int or a (height, width) pair as a (height, width) tuple."""
-    if isinstance(value, int):
-        return (value, value)
-    height, width = value
-    return (int(height), int(width))
+from mpp.model.pixels import Size2d, pair
 
 
 @dataclass(frozen=True)
@@ -83,12 +75,6 @@ def pick(values: Tensor, positions: Tensor) -> Tensor:
     """(B, N, ...) values, (B, M) positions -> (B, M, ...) the values at those positions."""
     index = positions.view(*positions.shape, *([1] * (values.dim() - 2)))
     return values.gather(1, index.expand(-1, -1, *values.shape[2:]))
-
-
-def patchify(images: Tensor, patch_size: int | tuple[int, int]) -> Tensor:
-    """(B, C, H, W) -> (B, N, P_h·P_w·C), patches in row-major order, pixels (p_h, p_w, c)."""
-    patch_h, patch_w = pair(patch_size)
-    return rearrange(images, "b c (gh ph) (gw pw) -> b (gh gw) (ph pw c)", ph=patch_h, pw=patch_w)
 
 
 class Attention(nn.Module):

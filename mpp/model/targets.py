@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from mpp.images import Normalise
-from mpp.vit import pair, patchify
+from mpp.model.pixels import Normalise, pair, patchify
 
 TargetKind = Literal["mean_colour", "downsized_colour", "pixels"]
 
@@ -144,3 +143,10 @@ def prediction_loss(predictions: Tensor, targets: Tensor) -> Tensor:
 def prediction_accuracy(predictions: Tensor, targets: Tensor) -> Tensor:
     """Share of class predictions that are right (a scalar tensor; no host sync)."""
     return (predictions.argmax(dim=-1) == targets).float().mean()
+
+
+def class_colours(classes: Tensor, *, bits: int, channels: int) -> Tensor:
+    """(...) colour classes -> (..., C) the centre of each class's colour cell, in [0, 1]."""
+    levels = 2**bits
+    digits = [(classes // levels ** (channels - 1 - c)) % levels for c in range(channels)]
+    return (torch.stack(digits, dim=-1).float() + 0.5) / levels

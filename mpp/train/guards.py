@@ -15,8 +15,8 @@ import logging
 from typing import Any, Literal
 
 import pytorch_lightning as pl
-from pytorch_lightning.trainer.states import TrainerFn
 import torch
+from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import gzip
 import pickle
-import re
 import struct
-import tarfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,22 +13,16 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from mpp.transforms import IMAGE_EXTENSIONS
+from mpp.shards.format import ShardError
+from mpp.shards.images import IMAGE_EXTENSIONS
 
-FORMAT = "mpp-shards/1"
 # Where Debian's `dataset-fashion-mnist` package installs the IDX files.
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                          "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 # File suffixes of the images a folder source picks up: those the loader reads from shards.
 IMAGE_SUFFIXES = frozenset(f".{extension}" for extension in IMAGE_EXTENSIONS)
-SHARD_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9][A-Za-z0-9_-]*)-\d{6}\.tar$")
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-EOF_MARKER = bytes(2 * tarfile.BLOCKSIZE)
-
-
-class ShardError(Exception):
-    """A source, shard or sidecar is unusable; the message names the file."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +36,6 @@ class Source:
 
     def __len__(self) -> int:
         return len(self.labels)
-
 
 
 def read_idx(path: Path) -> np.ndarray:

@@ -12,9 +12,10 @@ import torch
 from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
-from mpp.data import ShardDataModule, ShardSpec
-from mpp.images import Normalise, to_unit_range
-from mpp.vit import ViT
+from mpp.data.module import ShardDataModule, ShardSpec
+from mpp.model.checkpoint import encoder_and_normalisation
+from mpp.model.pixels import to_unit_range
+from mpp.model.vit import ViT
 
 BIAS_FEATURE = 100.0
 
@@ -225,14 +226,6 @@ class FewShotEvaluation(pl.Callback):
             self.evaluate(trainer, pl_module)
 
 
-def checkpoint_normalisation(path: str) -> Normalise:
-    """The input normalisation the checkpoint's module was trained with."""
-    hyper = torch.load(path, map_location="cpu", weights_only=True).get("hyper_parameters", {})
-    if "pixel_mean" not in hyper or "pixel_std" not in hyper:
-        raise ValueError(f"checkpoint {path} records no pixel_mean / pixel_std hyperparameters")
-    return Normalise(mean=hyper["pixel_mean"], std=hyper["pixel_std"])
-
-
 def evaluate_checkpoint(
     path: str,
     *,
@@ -254,14 +247,11 @@ def evaluate_checkpoint(
 
     The n-shot examples come from the first `max_train` samples of `train`, in shard order.
     """
-    from mpp.classify import load_encoder  # the classifier module imports this one
-
-    encoder = load_encoder(path)
+    encoder, normalise = encoder_and_normalisation(path)
     if image_size is not None:
         encoder.resize_positions(image_size)
     encoder.to(device)
-    normalise = checkpoint_normalisation(path).to(device)
-    normalise.check_channels(encoder.config.channels)
+    normalise.to(device)
     data = ShardDataModule(
         val=train, test=test, batch_size=batch_size, num_workers=num_workers,
         image_size=encoder.config.image_size, channels=encoder.config.channels,

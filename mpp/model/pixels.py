@@ -1,12 +1,16 @@
 """Pixel conventions shared by the modules: batches arrive as uint8 (or float in [0, 1]);
-targets are computed from those raw pixels and the encoder sees normalised ones."""
+targets are computed from those raw pixels and the encoder sees normalised ones; images are
+cut into patches (and put back together) in one order, row-major with pixels (p_h, p_w, c)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
+
+Size2d = tuple[int, int]
 
 
 def to_unit_range(images: Tensor) -> Tensor:
@@ -49,3 +53,25 @@ class Normalise(nn.Module):
     def invert(self, images: Tensor) -> Tensor:
         """(B, C, H, W) normalised -> (B, C, H, W) in [0, 1]."""
         return images * self.std + self.mean
+
+
+def pair(value: int | tuple[int, int] | list[int]) -> Size2d:
+    """An int or a (height, width) pair as a (height, width) tuple."""
+    if isinstance(value, int):
+        return (value, value)
+    height, width = value
+    return (int(height), int(width))
+
+
+
+def patchify(images: Tensor, patch_size: int | tuple[int, int]) -> Tensor:
+    """(B, C, H, W) -> (B, N, P_h·P_w·C), patches in row-major order, pixels (p_h, p_w, c)."""
+    patch_h, patch_w = pair(patch_size)
+    return rearrange(images, "b c (gh ph) (gw pw) -> b (gh gw) (ph pw c)", ph=patch_h, pw=patch_w)
+
+
+def unpatchify(patches: Tensor, grid: tuple[int, int], patch_size: tuple[int, int], channels: int) -> Tensor:
+    """(B, N, P_h·P_w·C) -> (B, C, H, W), the inverse of `patchify`."""
+    return rearrange(
+        patches, "b (gh gw) (ph pw c) -> b c (gh ph) (gw pw)", gh=grid[0], gw=grid[1], ph=patch_size[0], c=channels
+    )

@@ -14,9 +14,9 @@ from typing import Any
 from braceexpand import braceexpand
 from PIL import Image
 
-from mpp.sources import FORMAT, SHARD_NAME, ShardError
-from mpp.tarstream import MemberOrderError, iter_samples
-from mpp.transforms import IMAGE_EXTENSIONS
+from mpp.shards.format import FORMAT, SHARD_NAME, ShardError
+from mpp.shards.images import IMAGE_EXTENSIONS
+from mpp.shards.tar import MemberOrderError, iter_samples
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from mpp.vit import pick
+from mpp.model.vit import pick
 
 MASKED, REPLACED, KEPT = 0, 1, 2
 

@@ -15,10 +15,12 @@ import torch
 from PIL import Image
 from pytorch_lightning.callbacks import TQDMProgressBar
 from pytorch_lightning.loggers import WandbLogger
-from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from pytorch_lightning.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 
-from mpp.images import to_unit_range
-from mpp.pictures import prediction_panel
+from mpp.model.pixels import to_unit_range
+from mpp.train.pictures import prediction_panel
 
 
 class ThroughputMonitor(pl.Callback):

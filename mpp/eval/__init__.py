@@ -1,0 +1,1 @@
+"""Evaluation: few-shot accuracy of frozen encoders, and a W&B run's records read back."""
