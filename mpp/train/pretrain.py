@@ -120,6 +120,11 @@ class MaskedPatchPretraining(pl.LightningModule):
         predictions = self.predict(representations)
         return MPPOutput(predictions, pick(targets, corrupted.positions), corrupted)
 
+    def loss(self, images: Tensor) -> Tensor:
+        """(B, C, H, W) uint8 or [0, 1] images -> the MPP loss of one draw of corruption."""
+        output = self(to_unit_range(images))
+        return prediction_loss(output.predictions, output.targets)
+
     def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor | None:
         images = batch["image"] if isinstance(batch, dict) else batch
         if images.shape[0] == 0:  # a rank in step with those still evaluating (mpp.data.loader)
