@@ -29,7 +29,11 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/python tools/compare.py --out runs/demo
 
+# Lint, format and types first (seconds), then the tests.
 test: $(VENV)/.installed
+	$(BIN)/ruff check mpp tools tests
+	$(BIN)/ruff format --check mpp tools
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 test-slow: $(VENV)/.installed

@@ -86,8 +86,11 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self) if fullname in MOVED else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        warnings.warn(f"{spec.name} is now {MOVED[spec.name]}: name the new module in configs and imports",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            f"{spec.name} is now {MOVED[spec.name]}: name the new module in configs and imports",
+            FutureWarning,
+            stacklevel=2,
+        )
         return importlib.import_module(MOVED[spec.name])
 
     def exec_module(self, module: ModuleType) -> None:

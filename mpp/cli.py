@@ -4,7 +4,8 @@
     mpp fit --config configs/trainer/gpu.yaml --config configs/pretrain/vit_b16.yaml --trainer.max_steps 100
     mpp fit --config configs/pretrain/demo.yaml --print_config > my_run.yaml
 
-The config's `model.class_path` picks the module (pretraining, fine-tuning, from scratch).
+The config's `model.class_path` picks the module (pretraining, fine-tuning, from scratch); a
+mapping in a config can start from another file with `__base__` (mpp.config).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import (
     LightningArgumentParser,
     LightningCLI,
@@ -30,6 +32,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from tqdm.auto import tqdm
 
+from mpp.config import register_parser_mode
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
@@ -90,15 +93,22 @@ class LoggedConfig(SaveConfigCallback):
 class MPPCLI(LightningCLI):
     """LightningCLI that says what it runs before fitting and where the results are after."""
 
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        kwargs.setdefault("parser_mode", register_parser_mode())  # `__base__` in configs (mpp.config)
+        return super().init_parser(**kwargs)
+
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
         place_run_outputs(config)
         flush_records_often()
         if self.subcommand == "fit":  # validate and test log runs of their own
             continue_checkpointed_run(config)
-        if config.trainer.enable_progress_bar is False:  # `--trainer.enable_progress_bar false` wins over the config's bar
-            config.trainer.callbacks = [c for c in config.trainer.callbacks or []
-                                        if not getattr(c, "class_path", "").endswith("ProgressBar")]
+        if (
+            config.trainer.enable_progress_bar is False
+        ):  # `--trainer.enable_progress_bar false` wins over the config's bar
+            config.trainer.callbacks = [
+                c for c in config.trainer.callbacks or [] if not getattr(c, "class_path", "").endswith("ProgressBar")
+            ]
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """The configured trainer, writing checkpoints atomically unless the config names a CheckpointIO."""
@@ -107,8 +117,8 @@ class MPPCLI(LightningCLI):
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         trainer = super().instantiate_trainer(**kwargs)
-        trainer.callbacks.append(RankFailure())
-        trainer.callbacks.append(WandbRunCheckpoint())
+        # Lightning sets `callbacks` on the trainer at run time, undeclared.
+        trainer.callbacks.extend([RankFailure(), WandbRunCheckpoint()])  # type: ignore[attr-defined]
         return trainer
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -144,10 +154,16 @@ def place_run_outputs(config: Any) -> None:
         return
     loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
     for logger in loggers:
-        if getattr(logger, "class_path", "").endswith("WandbLogger") and logger.init_args.get("save_dir") in (None, "."):
+        if getattr(logger, "class_path", "").endswith("WandbLogger") and logger.init_args.get("save_dir") in (
+            None,
+            ".",
+        ):
             logger.init_args.save_dir = root
     for callback in config.trainer.callbacks or []:
-        if getattr(callback, "class_path", "").endswith("ModelCheckpoint") and callback.init_args.get("dirpath") is None:
+        if (
+            getattr(callback, "class_path", "").endswith("ModelCheckpoint")
+            and callback.init_args.get("dirpath") is None
+        ):
             callback.init_args.dirpath = str(Path(root) / "checkpoints")
 
 
@@ -155,10 +171,16 @@ def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> st
     """The first lines a user reads: what trains, on what, where, and where the results go."""
     params = sum(p.numel() for p in model.parameters())
     encoder = getattr(model, "encoder_config", None)
-    checkpoint_dirs = sorted({str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)})
+    checkpoint_dirs = sorted(
+        {str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath}
+    )
     lines = [
         f"mpp: {type(model).__name__}, {params / 1e6:.2f}M parameters"
-        + (f", encoder {encoder.dim}x{encoder.depth} ({encoder.heads} heads), {encoder.patch_size} px patches of {encoder.image_size} px images" if encoder else ""),
+        + (
+            f", encoder {encoder.dim}x{encoder.depth} ({encoder.heads} heads), {encoder.patch_size} px patches of {encoder.image_size} px images"
+            if encoder
+            else ""
+        ),
         f"mpp: data train={data.hparams.get('train')} val={data.hparams.get('val')}",
         f"mpp: world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s)), "
         f"precision {trainer.precision}, max_steps {trainer.max_steps}",
@@ -170,7 +192,11 @@ def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> st
             mode = os.environ.get("WANDB_MODE", "online")
             lines.append(
                 f"mpp: W&B {mode} in {logger.save_dir}/wandb"
-                + (" (no API key found; upload later with `wandb sync <run folder>/wandb/offline-run-*`)" if mode == "offline" else "")
+                + (
+                    " (no API key found; upload later with `wandb sync <run folder>/wandb/offline-run-*`)"
+                    if mode == "offline"
+                    else ""
+                )
             )
     return "\n".join(lines)
 
@@ -181,14 +207,18 @@ def batch_and_lr(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> l
     if batch is None:
         return []
     total = global_batch_size(trainer, data)
-    line = (f"mpp: global batch {total} = {trainer.num_nodes} node(s) x {trainer.num_devices} device(s) x "
-            f"batch {batch} x {trainer.accumulate_grad_batches} accumulated")
+    line = (
+        f"mpp: global batch {total} = {trainer.num_nodes} node(s) x {trainer.num_devices} device(s) x "
+        f"batch {batch} x {trainer.accumulate_grad_batches} accumulated"
+    )
     config = getattr(model, "optimizer_config", None)
     if config is not None:
         factor = config.lr_factor(total)
         line += f"; peak lr {config.lr * factor:.4g}"
         if config.reference_batch_size is not None:
-            line += f" (optimizer.lr {config.lr:g} for batch {config.reference_batch_size}, {config.lr_scaling} scaling)"
+            line += (
+                f" (optimizer.lr {config.lr:g} for batch {config.reference_batch_size}, {config.lr_scaling} scaling)"
+            )
     return [line]
 
 
@@ -245,8 +275,7 @@ def main(args: list[str] | None = None) -> None:
             subclass_mode_model=True,
             save_config_callback=LoggedConfig,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"parser_mode": "omegaconf", "exit_on_error": False, "description": introduction(),
-                           "formatter_class": Introduced},
+            parser_kwargs={"exit_on_error": False, "description": introduction(), "formatter_class": Introduced},
             auto_configure_optimizers=False,
             args=None if args is None else argv,
         )

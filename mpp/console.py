@@ -90,9 +90,11 @@ def introduction() -> str:
     folder = configs_folder()
     if folder is not None:
         lines.append("shipped configs (a trainer preset first, then a run config; later files win):")
-        width = {path: int(m.group(1)) if (m := re.search(r"^dim: *(\d+)", path.read_text(), re.M)) else 0
-                 for path in folder.glob("model/*.yaml")}
-        presets = sorted(width, key=width.get)  # small to large
+        width = {
+            path: int(m.group(1)) if (m := re.search(r"^dim: *(\d+)", path.read_text(), re.M)) else 0
+            for path in folder.glob("model/*.yaml")
+        }
+        presets = sorted(width, key=lambda path: width[path])  # small to large
         for path in sorted(set(folder.glob("*/*.yaml")) - set(presets)):
             first = (path.read_text().splitlines() or [""])[0].lstrip("# ").strip()
             about = re.split(r" \(|: |\. |; ", first, maxsplit=1)[0].rstrip(".")
@@ -100,12 +102,14 @@ def introduction() -> str:
             lines.append(f"  {path.as_posix():<36} {about}")
         if presets:
             sizes = ",".join(p.stem.removeprefix("vit_") for p in presets)
-            lines.append(f"  {(folder / 'model').as_posix() + '/vit_{' + sizes + '}.yaml':<36} "
-                         "encoder sizes, e.g. --model.encoder configs/model/vit_l.yaml")
+            lines.append(
+                f"  {(folder / 'model').as_posix() + '/vit_{' + sizes + '}.yaml':<36} "
+                "encoder sizes, e.g. --model.encoder configs/model/vit_l.yaml"
+            )
         lines.append("")
     lines.append("examples:")
-    width = max(len(command) for _, command in EXAMPLES)
-    lines += [f"  {command:<{width}}  # {what}" for what, command in EXAMPLES]
+    wide = max(len(command) for _, command in EXAMPLES)
+    lines += [f"  {command:<{wide}}  # {what}" for what, command in EXAMPLES]
     lines += [
         "",
         "`mpp fit --help` lists the trainer's and data's options; a module's own options are behind",

@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 import signal
+import sys
 import traceback
 from pathlib import Path
 
@@ -64,6 +65,14 @@ def exit_code(error: BaseException) -> int:
     return FAILED
 
 
+def add_note(error: BaseException, note: str) -> None:
+    """Attach `note` to the error, to be shown after its message (BaseException.add_note on 3.10 too)."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
+
+
 def explain(error: BaseException) -> str:
     """The one line that says what went wrong."""
     telling = _telling(error)
@@ -76,11 +85,16 @@ def explain(error: BaseException) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     message = " ".join(lines) if lines else ""
     deliberate = type(telling).__module__.split(".")[0] == "mpp" or (
-        _raised_by_mpp(telling) and isinstance(telling, (ValueError, OSError, RuntimeError)))
+        _raised_by_mpp(telling) and isinstance(telling, (ValueError, OSError, RuntimeError))
+    )
     if not deliberate:  # another library's error, or a slip in mpp (a KeyError, a TypeError): name its type
         message = f"{type(telling).__name__}: {message}" if message else type(telling).__name__
-    notes = [note.removeprefix("mpp: ") for e in _chain(error) for note in getattr(e, "__notes__", ())
-             if note.startswith("mpp: ")]  # what mpp added on the way up (RankFailure's stage of a timeout)
+    notes = [
+        note.removeprefix("mpp: ")
+        for e in _chain(error)
+        for note in getattr(e, "__notes__", ())
+        if note.startswith("mpp: ")
+    ]  # what mpp added on the way up (RankFailure's stage of a timeout)
     return " ".join([message, *notes])
 
 
@@ -132,12 +146,14 @@ def _worker_original(error: BaseException) -> str | None:
         return None
     name = re.escape(type(error).__name__)
     matches = list(re.finditer(rf"^(?:[\w.]+\.)?{name}: ", text, re.MULTILINE))
-    return text[matches[-1].end():] if matches else None
+    return text[matches[-1].end() :] if matches else None
 
 
 # jsonargparse's words around the error that matters: the alternatives of a Union it also tried.
-_NOISE = re.compile(r"Does not validate against any of the Union subtypes|^Subtypes:|^Errors:|^Given value|"
-                    r"Expected a <class 'NoneType'>")
+_NOISE = re.compile(
+    r"Does not validate against any of the Union subtypes|^Subtypes:|^Errors:|^Given value|"
+    r"Expected a <class 'NoneType'>"
+)
 
 
 def summarise_config_error(text: str) -> str:
@@ -170,8 +186,9 @@ def summarise_config_error(text: str) -> str:
     line = re.sub(r"<class '(?:[\w]+\.)*(\w+)'>", r"\1", line)
     key = ".".join(path)
     if match := re.match(r"unrecognized arguments: (.*)", line):
-        options = [option.split("=", 1)[0].removeprefix("--") for option in match.group(1).split()
-                   if option.startswith("--")]
+        options = [
+            option.split("=", 1)[0].removeprefix("--") for option in match.group(1).split() if option.startswith("--")
+        ]
         unknown = ", ".join(f"{key}.{option}" if key else option for option in options) or match.group(1)
         where = f"`mpp fit --{path[0]}.help {class_path}`" if class_path else "`mpp fit --help`"
         return f"unknown option {unknown}: {where} lists the options"

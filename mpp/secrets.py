@@ -38,10 +38,23 @@ SECRET_ENV_VARS = (
 _SECRET_ENV_NAME = re.compile(r".*_(TOKEN|SECRET|PASSWORD|API_KEY)$")
 
 _SECRET_PARAMS = (
-    "x-amz-signature", "x-amz-credential", "x-amz-security-token",
-    "x-goog-signature", "x-goog-credential",
-    "sig", "signature", "token", "access_token", "refresh_token", "id_token",
-    "api_key", "apikey", "key", "password", "secret", "client_secret",
+    "x-amz-signature",
+    "x-amz-credential",
+    "x-amz-security-token",
+    "x-goog-signature",
+    "x-goog-credential",
+    "sig",
+    "signature",
+    "token",
+    "access_token",
+    "refresh_token",
+    "id_token",
+    "api_key",
+    "apikey",
+    "key",
+    "password",
+    "secret",
+    "client_secret",
 )
 # A value runs to the next parameter, fragment, white space, quote or bracket, or a colon that
 # ends the URL in a message ("cannot open https://...?sig=...: HTTP 403").
@@ -56,7 +69,8 @@ def secret_env_values() -> list[str]:
     """Values of this process's secret environment variables, longest first (so that a secret
     containing another is masked whole)."""
     values = {
-        value for name, value in os.environ.items()
+        value
+        for name, value in os.environ.items()
         if (name in SECRET_ENV_VARS or _SECRET_ENV_NAME.match(name)) and len(value) >= MIN_SECRET_LENGTH
     }
     return sorted(values, key=len, reverse=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,19 @@ def test_a_class_path_of_before_the_move_still_loads(path: str) -> None:
     assert isinstance(cls, type) and cls.__name__ == path.rpartition(".")[2]
     assert cls.__module__.startswith("mpp.")
     assert load(f"{cls.__module__}.{cls.__name__}") is cls  # the same class as at its new home
+
+
+def test_an_old_module_name_warns_with_its_new_one() -> None:
+    sys.modules.pop("mpp.callbacks", None)  # as in a fresh process: the warning comes on first import
+    with pytest.warns(FutureWarning, match=r"mpp\.callbacks is now mpp\.train\.callbacks"):
+        module = importlib.import_module("mpp.callbacks")
+    assert module is importlib.import_module("mpp.train.callbacks")
+
+
+@pytest.mark.parametrize("path", ["mpp.shards.write_shards", "mpp.shards.WriteOptions", "mpp.data.ShardSpec",
+                                  "mpp.data.EmptyEpochError", "mpp.data.WorkerDiedError"])
+def test_the_packages_that_kept_an_old_module_name_hand_on_its_names(path: str) -> None:
+    assert load(path) is not None
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_gpu import training_flops
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))  # the tools are scripts, not a package
-
-from bench_gpu import training_flops
-
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 RATIO = r"(\d+\.\d+)x"
 
 
@@ -56,8 +53,10 @@ def test_bench_fit_compares_shards_with_in_memory_batches(runs: dict[str, subpro
     synthetic = re.search(r"^synthetic \(in memory\) +(\d+\.\d+)", out, re.MULTILINE)
     ratio = re.search(rf"^ratio shards / synthetic: {RATIO} .*(meets|MISSES) the target >= 0.90x$", out, re.MULTILINE)
     assert shards and synthetic and ratio, out
-    # The ratio is of the arms' medians, which the table shows rounded.
-    assert abs(float(ratio[1]) - float(shards[1]) / float(synthetic[1])) < 2e-3 * float(ratio[1])
+    # The ratio is of the arms' medians, which the table shows rounded to 0.1 img/s (the ratio to 0.001).
+    shown_shards, shown_synthetic = float(shards[1]), float(synthetic[1])
+    rounding = shown_shards / shown_synthetic * (0.05 / shown_shards + 0.05 / shown_synthetic) + 5e-4
+    assert abs(float(ratio[1]) - shown_shards / shown_synthetic) <= 1.01 * rounding
 
 
 def test_bench_memory_reads_every_sample_in_a_fresh_process(runs: dict[str, subprocess.Popen]) -> None:

@@ -3,11 +3,12 @@ positions to a new image size, trains and reports per-class accuracy, and runs f
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,14 @@ def test_pretrained_encoder_weights_move_exactly_and_nothing_else(tmp_path):
     assert state["head.weight"].shape == (4, 32) and not state["head.weight"].any() and not state["head.bias"].any()
     assert "mask_token" in saved and saved["head.weight"].shape[0] == 8  # the MPP head: 8 grey levels
     assert not any("mask_token" in name for name in state)
+
+
+def test_hyperparameters_are_the_constructor_arguments_as_plain_data():
+    model = classifier(class_names=["a", "b", "c", "d"], pixel_mean=(0.25,))
+    assert list(model.hparams) == list(inspect.signature(ImageClassifier).parameters)
+    assert model.hparams["encoder"] == asdict(TINY) and model.hparams["optimizer"] == asdict(SGD)
+    assert model.hparams["pixel_mean"] == [0.25] and model.hparams["class_names"] == ["a", "b", "c", "d"]
+    assert ImageClassifier(**model.hparams).hparams == model.hparams
 
 
 def test_dropout_may_differ_from_the_pretraining_encoder(tmp_path):

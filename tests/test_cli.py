@@ -43,7 +43,8 @@ def mpp(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*/*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*/*.yaml")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_config_loads(config):
     if config.parent.name == "model":  # a size preset replaces the encoder's size in a run config
         resolved = yaml.safe_load(print_config("--config", str(DEMO), "--model.encoder", str(config)))
@@ -55,6 +56,29 @@ def test_every_config_loads(config):
     else:
         resolved = yaml.safe_load(print_config("--config", str(config)))
         assert resolved["model"]["init_args"]["encoder"]["patch_size"] >= 1
+
+
+def test_a_config_mapping_starts_from_its_base_files(tmp_path, capsys):
+    """`__base__` (mpp.config.load_config): the files are read in order, each relative to the config that
+    names it, then the mapping's own keys; a loop or a missing file stops the run, naming the files."""
+    (tmp_path / "sizes").mkdir()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "sizes" / "deep.yaml").write_text("depth: 6\ndim: 64\n")
+    (tmp_path / "sizes" / "wide.yaml").write_text("__base__: deep.yaml\ndim: 256\nheads: 8\n")
+    run = tmp_path / "runs" / "run.yaml"
+    run.write_text("model:\n  init_args:\n    encoder:\n      __base__: [../sizes/deep.yaml, ../sizes/wide.yaml]\n"
+                   "      heads: 4\n")
+    resolved = yaml.safe_load(print_config("--config", str(DEMO), "--config", str(run)))
+    encoder = resolved["model"]["init_args"]["encoder"]
+    assert (encoder["dim"], encoder["depth"], encoder["heads"], encoder["mlp_dim"], encoder["image_size"]) == (
+        256, 6, 4, 512, 28)
+    (tmp_path / "sizes" / "deep.yaml").write_text("__base__: wide.yaml\n")
+    for base, words in [("../sizes/wide.yaml", "in a loop"), ("../sizes/none.yaml", "cannot read ../sizes/none.yaml")]:
+        run.write_text(f"model:\n  init_args:\n    encoder:\n      __base__: {base}\n")
+        with pytest.raises(SystemExit) as exit_:
+            main(["fit", "--config", str(DEMO), "--config", str(run), "--print_config"])
+        assert exit_.value.code == 2
+        assert words in capsys.readouterr().err
 
 
 def test_the_fsdp_preset_shards_each_vit_block():
@@ -88,7 +112,8 @@ def test_fit_checkpoints_resumes_and_logs_to_wandb(tmp_path):
                 callback["init_args"][key] = 2
     often = tmp_path / "often.yaml"
     often.write_text(yaml.safe_dump({"trainer": {"callbacks": callbacks}}))
-    first = mpp("fit", "--config", str(DEMO), "--config", str(often), *QUICK, "--trainer.max_steps", "4", run_dir=tmp_path)
+    first = mpp("fit", "--config", str(DEMO), "--config", str(often), *QUICK, "--trainer.max_steps", "4",
+                run_dir=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout + first.stderr
     # The first lines say what runs, on what, and where it goes.
@@ -110,7 +135,8 @@ def test_fit_checkpoints_resumes_and_logs_to_wandb(tmp_path):
     assert after["lr_schedulers"][0]["last_epoch"] == 6
     assert after["optimizer_states"][0]["state"][0]["step"].item() == 6
 
-    validated = mpp("validate", "--config", str(DEMO), *QUICK, "--ckpt_path", str(checkpoints / "last.ckpt"), run_dir=tmp_path)
+    validated = mpp("validate", "--config", str(DEMO), *QUICK, "--ckpt_path", str(checkpoints / "last.ckpt"),
+                    run_dir=tmp_path)
     assert validated.returncode == 0, validated.stderr[-3000:]
     assert "val/mpp_accuracy" in validated.stdout and "val/majority_accuracy" in validated.stdout
 
@@ -138,7 +164,8 @@ def test_credentials_reach_no_saved_config_log_checkpoint_or_wandb_record(tmp_pa
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(ROOT / "shards" / "fashion-mnist")))
+    shards = str(ROOT / "shards" / "fashion-mnist")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=shards))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     secrets = {"signature": "sig0123456789abcdef", "WANDB_API_KEY": "wandbkey0123456789abcdef0123456789abcdef",
                "AWS_SECRET_ACCESS_KEY": "awssecret0123456789"}

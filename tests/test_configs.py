@@ -13,6 +13,7 @@ import io
 import json
 import math
 import re
+import shutil
 import statistics
 from datetime import timedelta
 from pathlib import Path
@@ -28,8 +29,11 @@ from workspace import ROOT, console_script, make_workspace, run
 RUN_CONFIGS = ["pretrain/demo.yaml", "pretrain/vit_b16.yaml", "scratch/demo.yaml", "scratch/vit_b16.yaml",
                "finetune/demo.yaml", "finetune/vit_b16.yaml"]
 PRESETS = ["gpu", "ddp", "fsdp"]  # configs/trainer/gpu.yaml, configs/trainer/ddp.yaml, configs/trainer/fsdp.yaml
+# The size preset each run config names (`encoder: {__base__: ../model/<preset>, ...}`).
+PRESET_OF = {name: "vit_demo.yaml" if name.endswith("demo.yaml") else "vit_b.yaml" for name in RUN_CONFIGS}
 # Size presets; ViT-L and ViT-H (303M and 631M parameters) take minutes a step here: `make test-slow`.
-MODEL_PRESETS = ["configs/model/vit_ti.yaml", "configs/model/vit_s.yaml", "configs/model/vit_b.yaml",
+MODEL_PRESETS = ["configs/model/vit_demo.yaml", "configs/model/vit_ti.yaml", "configs/model/vit_s.yaml",
+                 "configs/model/vit_b.yaml",
                  pytest.param("configs/model/vit_l.yaml", marks=pytest.mark.slow),
                  pytest.param("configs/model/vit_h.yaml", marks=pytest.mark.slow)]
 BATCH = 2
@@ -37,6 +41,17 @@ BATCH = 2
 
 def config_of(name: str) -> dict:
     return yaml.safe_load((ROOT / "configs" / name).read_text())
+
+
+def printed_config(*args: str) -> dict:
+    """`mpp fit <args> --print_config`, in this process and folder: the resolved config."""
+    from mpp.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        main(["fit", *args, "--print_config"])
+    assert exit_.value.code in (0, None)
+    return yaml.safe_load(out.getvalue())
 
 
 def shrink(name: str) -> list[str]:
@@ -59,6 +74,27 @@ def expected_batch_and_lr(name: str, *, batch: int = BATCH, devices: int = 1) ->
     if optimizer.get("lr_scaling") == "sqrt":
         factor = math.sqrt(factor)
     return total, optimizer["lr"] * factor
+
+
+@pytest.mark.parametrize("name", RUN_CONFIGS)
+def test_every_run_config_takes_its_encoder_size_from_the_preset_it_names(name: str, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    """The preset's numbers are written once, in configs/model/: a run config names the file, relative
+    to itself, so it resolves from a user's own folder with a copy of the configs, and a value on the
+    command line still wins over the preset."""
+    written = config_of(name)["model"]["init_args"]["encoder"]
+    preset = yaml.safe_load((ROOT / "configs" / "model" / PRESET_OF[name]).read_text())
+    assert written["__base__"] == f"../model/{PRESET_OF[name]}" and not preset.keys() & written.keys()
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", "configs/trainer/cpu.yaml", "--config", f"configs/{name}"]
+    encoder = printed_config(*args)["model"]["init_args"]["encoder"]
+    own = {key: value for key, value in written.items() if key != "__base__"}
+    assert {key: encoder[key] for key in [*preset, *own]} == {**preset, **own}
+    overridden = printed_config(*args, "--model.init_args.encoder.depth", "2")["model"]["init_args"]["encoder"]
+    assert overridden == {**encoder, "depth": 2}
+    larger = printed_config(*args, "--model.init_args.encoder", "configs/model/vit_l.yaml")["model"]["init_args"]
+    assert larger["encoder"] == {**encoder, **yaml.safe_load((ROOT / "configs/model/vit_l.yaml").read_text())}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +142,8 @@ def test_a_finetune_config_starts_from_its_pretraining_run(fits: dict[str, dict]
                            weights_only=True)
     assert pretrained["encoder_config"]["image_size"] == 224 and finetuned["encoder_config"]["image_size"] == 384
     key = "encoder.pos_embed"
-    assert pretrained["state_dict"][key].shape[1] == 1 + 14 * 14 and finetuned["state_dict"][key].shape[1] == 1 + 24 * 24
+    assert pretrained["state_dict"][key].shape[1] == 1 + 14 * 14
+    assert finetuned["state_dict"][key].shape[1] == 1 + 24 * 24
 
 
 def instantiate(*args: str) -> object:
@@ -124,23 +161,19 @@ def instantiate(*args: str) -> object:
           mock.patch("torch.cuda.device_count", return_value=8),
           mock.patch("torch.cuda.is_bf16_supported", return_value=True)):
         return MPPCLI(pl.LightningModule, ShardDataModule, subclass_mode_model=True, run=False,
-                      auto_configure_optimizers=False, parser_kwargs={"parser_mode": "omegaconf"}, args=list(args))
+                      auto_configure_optimizers=False, args=list(args))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("name", RUN_CONFIGS)
 def test_every_gpu_preset_with_every_run_config_prints_and_instantiates(fits: dict[str, dict], name: str,
                                                                        preset: str, monkeypatch) -> None:
-    from mpp.cli import main, run_summary
+    from mpp.cli import run_summary
     from mpp.train.strategies import BlockFSDPStrategy
 
     monkeypatch.chdir(fits[name]["folder"])  # where the fine-tuning configs find their pretrained checkpoints
     args = ["--config", f"configs/trainer/{preset}.yaml", "--config", f"configs/{name}"]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as exit_:
-        main(["fit", *args, "--print_config"])
-    assert exit_.value.code in (0, None)
-    resolved = yaml.safe_load(printed.getvalue())
+    resolved = printed_config(*args)
     assert resolved["trainer"]["accelerator"] == "gpu", "the run config must leave the hardware to the preset"
 
     cli = instantiate(*args, "--trainer.logger", "false")
@@ -170,4 +203,5 @@ def test_every_size_preset_fits_a_step_in_the_vit_b16_recipe(tmp_path: Path, pre
                      "--model.init_args.encoder.image_size", "32", "--trainer.max_steps", "1"], folder)
     assert result.returncode == 0, result.stderr[-4000:]
     size = yaml.safe_load((ROOT / preset).read_text())
-    assert f"encoder {size['dim']}x{size['depth']} ({size['heads']} heads), 16 px patches of 32 px images" in result.stdout
+    shown = f"encoder {size['dim']}x{size['depth']} ({size['heads']} heads), 16 px patches of 32 px images"
+    assert shown in result.stdout

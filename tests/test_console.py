@@ -163,7 +163,7 @@ def test_mpp_introduces_itself(capfd, monkeypatch):
     assert "masked patch prediction for Vision Transformers" in text
     assert "Lightning Trainer command line tool" not in text
     for config in sorted((ROOT / "configs").glob("*/*.yaml")):
-        shown = "configs/model/vit_{ti,s,b,l,h}.yaml" if config.parent.name == "model" else f"configs/{config.parent.name}/{config.name}"
+        shown = "configs/model/vit_{demo,ti,s,b,l,h}.yaml" if config.parent.name == "model" else f"configs/{config.parent.name}/{config.name}"
         assert shown in text
     for command in ("mpp fit --config configs/pretrain/demo.yaml", "mpp fit --config configs/finetune/demo.yaml",
                     "python tools/compare.py --out runs/demo", "--model.help"):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import importlib.util
+import inspect
 import io
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,13 +19,21 @@ from shardkit import encode, write_shard
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViTConfig
 from mpp.eval.fewshot import (
+    DEFAULTS,
     FewShotEvaluation,
-    fewshot_accuracy,
-    fewshot_evaluation,
-    pick_shots,
+    evaluate_checkpoint,
 )
+from mpp.eval.linear import fewshot_accuracy, fewshot_evaluation, pick_shots
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def fewshot_tool():
+    """tools/fewshot.py as a module."""
+    spec = importlib.util.spec_from_file_location("fewshot_tool", ROOT / "tools" / "fewshot.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
 
 
 def clusters(per_class: int, *, classes: int = 10, dim: int = 32, noise: float = 0.1, seed: int = 0):
@@ -43,7 +53,8 @@ def test_separable_classes_are_all_recognised_from_five_shots():
 def test_random_labels_stay_at_chance():
     generator = torch.Generator().manual_seed(0)
     features, test_features = torch.randn(250, 32, generator=generator), torch.randn(2000, 32, generator=generator)
-    labels, test_labels = torch.randint(0, 10, (250,), generator=generator), torch.randint(0, 10, (2000,), generator=generator)
+    labels = torch.randint(0, 10, (250,), generator=generator)
+    test_labels = torch.randint(0, 10, (2000,), generator=generator)
     assert fewshot_accuracy(features, labels, test_features, test_labels, num_classes=10) < 0.15
 
 
@@ -90,9 +101,10 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
     test = labelled_shards(tmp_path / "shards", "test", 30)
     encoder = ViTConfig(image_size=16, patch_size=4, dim=32, depth=1, heads=2, mlp_dim=64)
     model = MaskedPatchPretraining(encoder=encoder, optimizer=OptimizerConfig(name="adamw", lr=1e-3))
-    callback = FewShotEvaluation(train=train, test=test, num_classes=3, image_size=16, shots=(1, 2), seeds=2,
-                                 every_n_steps=2, max_train=30, max_test=30, batch_size=16)
-    data = ShardDataModule(train=train, batch_size=8, num_workers=0, image_size=16, channels=3, shuffle_buffer=0)
+    # The images of both take the encoder's size and channels.
+    callback = FewShotEvaluation(train=train, test=test, num_classes=3, shots=(1, 2), seeds=2, every_n_steps=2,
+                                 max_train=30, max_test=30, batch_size=16)
+    data = ShardDataModule(train=train, batch_size=8, num_workers=0, shuffle_buffer=0)
     trainer = pl.Trainer(max_steps=5, accelerator="cpu", logger=pl.loggers.CSVLogger(tmp_path), callbacks=[callback],
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(model, data)
@@ -108,13 +120,10 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
     assert model.encoder.training  # the evaluation handed the encoder back in training mode
 
     trainer.save_checkpoint(tmp_path / "mpp.ckpt")
-    spec = importlib.util.spec_from_file_location("fewshot_tool", ROOT / "tools" / "fewshot.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = tool.main([str(tmp_path / "mpp.ckpt"), "--train", train, "--test", test, "--shots", "1", "2",
-                          "--seeds", "2", "--max-train", "30", "--max-test", "30", "--num-workers", "0"])
+    with contextlib.redirect_stdout(out):  # with the callback's own default number of workers
+        code = fewshot_tool().main([str(tmp_path / "mpp.ckpt"), "--train", train, "--test", test, "--shots", "1",
+                                    "2", "--seeds", "2", "--max-train", "30", "--max-test", "30"])
     assert code == 0
     table = out.getvalue()
     assert "| shots | accuracy |" in table and "| 2 | 100.0% |" in table
@@ -123,4 +132,21 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
 
 def test_callback_refuses_a_train_set_too_small_for_its_shots():
     with pytest.raises(ValueError, match="max_train=20"):
-        FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, image_size=16, shots=(1, 5), max_train=20)
+        FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, shots=(1, 5), max_train=20)
+
+
+def test_the_callback_the_function_and_the_tool_share_one_set_of_defaults():
+    """mpp.eval.fewshot.DEFAULTS, as the CLI reads the callback's signature and as the tool's options."""
+    from jsonargparse import ArgumentParser
+
+    wanted = asdict(DEFAULTS)
+    parser = ArgumentParser()
+    parser.add_class_arguments(FewShotEvaluation, "fewshot")
+    parsed = parser.get_defaults().fewshot
+    assert {name: parsed[name] for name in wanted} == wanted
+    for function in (evaluate_checkpoint, fewshot_evaluation, fewshot_accuracy):
+        defaults = {name: p.default for name, p in inspect.signature(function).parameters.items() if name in wanted}
+        assert defaults == {name: wanted[name] for name in defaults}, function.__name__
+    options = vars(fewshot_tool().argument_parser().parse_args(["a.ckpt", "--train", "a.tar", "--test", "b.tar"]))
+    del wanted["every_n_steps"]  # the callback's alone
+    assert {name: options[name] for name in wanted} == {**wanted, "shots": list(DEFAULTS.shots)}

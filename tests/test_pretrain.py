@@ -1,5 +1,8 @@
 """The pretraining module: it learns, it trains under Lightning, and its checkpoint is portable."""
 
+import inspect
+from dataclasses import asdict
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -12,7 +15,6 @@ from mpp import (
     TargetConfig,
     ViTConfig,
 )
-from mpp.model.targets import prediction_loss
 from mpp.train.optim import parameter_groups, warmup_cosine
 
 TINY = ViTConfig(image_size=16, patch_size=4, dim=32, depth=2, heads=2, mlp_dim=64)
@@ -57,8 +59,7 @@ def test_loss_falls_on_a_fixed_batch(target):
     losses = []
     for _ in range(60):
         torch.manual_seed(1)  # the same corruption every step: a fixed problem to fit
-        out = model(images)
-        loss = prediction_loss(out.predictions, out.targets)
+        loss = model.loss(images)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -112,6 +113,14 @@ def test_lightning_fit_trains_logs_and_checkpoints(tmp_path):
     assert restored.encoder_config == model.encoder_config
     for name, value in model.state_dict().items():
         assert torch.equal(value, restored.state_dict()[name]), name
+
+
+def test_hyperparameters_are_the_constructor_arguments_as_plain_data():
+    model = module(corruption=CorruptionConfig(ratio=0.25), pixel_std=(0.25,))
+    assert list(model.hparams) == list(inspect.signature(MaskedPatchPretraining).parameters)
+    assert model.hparams["encoder"] == asdict(TINY) and model.hparams["corruption"] == asdict(CorruptionConfig(ratio=0.25))
+    assert model.hparams["target"] == asdict(TargetConfig()) and model.hparams["pixel_std"] == [0.25]
+    assert MaskedPatchPretraining(**model.hparams).hparams == model.hparams
 
 
 def test_normalisation_that_fits_no_channel_count_fails():

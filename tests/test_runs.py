@@ -221,5 +221,5 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path
         assert torch.load(path, weights_only=True)["step"] == 1
         assert sorted(p.name for p in path.parent.glob("*.ckpt")) == ["last.ckpt"]
     else:  # without the protection the previous checkpoint is gone
-        with pytest.raises(Exception):
+        with pytest.raises((OSError, RuntimeError, EOFError)):  # gone, or cut short
             torch.load(path, weights_only=True)

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from mpp.shards.format import ShardError
-from mpp.shards.images import IMAGE_EXTENSIONS
+from mpp.shards.images import IMAGE_EXTENSIONS, is_16bit, to_8bit
 from mpp.shards.inspector import inspect_shards
 from mpp.shards.sources import (
     FASHION_MNIST_CLASSES,
@@ -286,13 +286,46 @@ def test_flat_folder_and_bad_images(tmp_path: Path, folder) -> None:
 
 def test_encoding_modes_and_resize() -> None:
     deep = Image.fromarray(np.array([[0, 255, 256, 65535]], dtype=np.uint16))
-    assert np.asarray(Image.open(io.BytesIO(encode_image(deep)))).tolist() == [[0, 0, 1, 255]]
+    assert np.asarray(Image.open(io.BytesIO(encode_image(deep)))).tolist() == [[0, 1, 1, 255]]  # rounded
     rgba = Image.new("RGBA", (40, 20), (10, 20, 30, 0))
     small = Image.open(io.BytesIO(encode_image(rgba, "jpg", resize_short=10)))
     assert small.format == "JPEG" and small.mode == "RGB" and small.size == (20, 10)
     palette = Image.new("P", (2, 2), 0)
     palette.putpalette([200, 100, 50] * 256)
     assert Image.open(io.BytesIO(encode_image(palette))).getpixel((0, 0)) == (200, 100, 50)
+
+
+def test_a_16_bit_image_is_stored_as_the_loader_decodes_it(tmp_path: Path) -> None:
+    """One rule from 16 to 8 bits: the writer stores what the loader's to_8bit makes of the same file."""
+    levels = np.array([[0, 128, 129, 255, 256, 32767, 32768, 65407, 65535]], dtype=np.uint16)
+    pixels = np.vstack([levels, np.random.default_rng(5).integers(0, 65536, (5, 9), dtype=np.uint16)])
+    root = tmp_path / "deep"
+    root.mkdir()
+    for suffix in ("png", "tif"):  # 16-bit grey PNG and TIFF
+        Image.fromarray(pixels).save(root / f"deep.{suffix}")
+    write_shards(flat_folder(root), tmp_path / "out", "d", QUIET)
+    _, samples = read_back(tmp_path / "out", "d")
+    assert len(samples) == 2
+    for (_, stored, _), path in zip(samples, sorted(root.iterdir())):
+        with Image.open(path) as original:
+            assert is_16bit(original.mode), original.mode
+            loaded = np.asarray(to_8bit(original))
+        assert stored.mode == "L" and np.array_equal(np.asarray(stored), loaded)
+        assert np.asarray(stored)[0].tolist() == [0, 0, 1, 1, 1, 127, 128, 255, 255]  # (v + 128) // 257
+
+
+def test_a_float_image_is_stored_as_the_loader_decodes_it(tmp_path: Path) -> None:
+    """Float images hold intensities in [0, 1], for the writer as for the loader (not PIL's 0..255)."""
+    root = tmp_path / "float"
+    root.mkdir()
+    Image.fromarray(np.array([[0.0, 0.5, 1.0, 200.0]], dtype=np.float32), "F").save(root / "f.tif")
+    write_shards(flat_folder(root), tmp_path / "out", "f", QUIET)
+    _, samples = read_back(tmp_path / "out", "f")
+    with Image.open(root / "f.tif") as original:
+        assert original.mode == "F"
+        loaded = np.asarray(to_8bit(original))
+    stored = np.asarray(samples[0][1])
+    assert np.array_equal(stored, loaded) and stored[0].tolist() == [0, 128, 255, 255]
 
 
 def _rewrite_member(shard: Path, victim: str, data: bytes) -> None:

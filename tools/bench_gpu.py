@@ -5,9 +5,9 @@ Three arms, alternating (A B C C B A ...), on one model built from configs/pretr
 (its encoder, optimiser, corruption, target, precision and gradient clipping):
 
     compute     a plain loop of the module's training step on one GPU-resident uint8 batch:
-              forward + prediction_loss under bf16 autocast, backward, clipping, the project's
-              fused AdamW (mpp.train.optim) and schedule. No Lightning and no host data, so its img/s
-              is the model's own speed, and MFU is computed from it.
+              `module.loss(images)` (forward + prediction_loss) under bf16 autocast, backward,
+              clipping, the project's fused AdamW (mpp.train.optim) and schedule. No Lightning and
+              no host data, so its img/s is the model's own speed, and MFU is computed from it.
     fit/mem     pytorch_lightning.Trainer.fit of the same module (precision bf16-mixed) on pinned
               in-memory uint8 batches: what Lightning and the host-to-device copy cost.
     fit/shards  the same fit reading ~256 px JPEG shards, written here to a local temporary
@@ -44,23 +44,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
-
-# A script's folder is on sys.path: the fit arms, shard writer and alternation are bench_fit's.
-from bench_fit import (
-    TARGET,
+from benchkit import (
+    SHARD_TARGET,
     Rates,
     alternate,
+    argument_parser,
+    cpu_name,
     fit_arms,
     load_run_config,
     quiet_lightning,
+    software,
+    steady_rates,
+    synchronize,
     write_photo_shards,
 )
 
 from mpp import MaskedPatchPretraining
-from mpp.model.pixels import pair, to_unit_range
-from mpp.model.targets import prediction_loss
+from mpp.model.pixels import pair
 from mpp.model.vit import ViTConfig
 from mpp.train.optim import OptimizerConfig, configure_optimizer
 
@@ -90,8 +91,9 @@ def training_flops(config: ViTConfig, *, corrupted: int, outputs: int, last_bloc
     return 3.0 * forward
 
 
-def compute_arm(model: MaskedPatchPretraining, run: dict[str, Any], *, batch: int, steps: int,
-                warmup: int) -> Callable[[], Rates]:
+def compute_arm(
+    model: MaskedPatchPretraining, run: dict[str, Any], *, batch: int, steps: int, warmup: int
+) -> Callable[[], Rates]:
     """The training step in a plain loop on one device-resident batch -> (window, median-step) img/s."""
     device = model.device
     encoder = ViTConfig(**run["model"]["encoder"])
@@ -108,8 +110,7 @@ def compute_arm(model: MaskedPatchPretraining, run: dict[str, Any], *, batch: in
         for step in range(warmup + steps):
             # As Lightning's bf16-mixed enters it (no weight-cast cache), so the compiled forward is reused.
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
-                output = model(to_unit_range(images))
-                loss = prediction_loss(output.predictions, output.targets)
+                loss = model.loss(images)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if clip:
@@ -120,14 +121,9 @@ def compute_arm(model: MaskedPatchPretraining, run: dict[str, Any], *, batch: in
                 synchronize(device)  # only at the window's ends: a sync every step would stall the queue
             if step >= warmup - 1:
                 ends.append(time.perf_counter())
-        return batch * steps / (ends[-1] - ends[0]), batch / float(np.median(np.diff(ends)))
+        return steady_rates(ends, batch * steps)
 
     return arm
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def smoke_run(run: dict[str, Any]) -> dict[str, Any]:
@@ -136,70 +132,98 @@ def smoke_run(run: dict[str, Any]) -> dict[str, Any]:
     return {**run, "model": {**run["model"], "encoder": SMOKE_ENCODER}, "data": data}
 
 
-def print_summary(results: dict[str, list[Rates]], model: MaskedPatchPretraining, *, args: argparse.Namespace,
-                  run: dict[str, Any], compiled: str, started: float) -> None:
+def print_summary(
+    results: dict[str, list[Rates]],
+    model: MaskedPatchPretraining,
+    *,
+    args: argparse.Namespace,
+    run: dict[str, Any],
+    compiled: str,
+    started: float,
+) -> None:
     """The final block: when, on what, which step, every arm's img/s, FLOPs, MFU, and the verdict."""
     encoder = model.encoder_config
     corrupted = model.corruption.num_corrupted(encoder.num_patches)
     model_flops = training_flops(encoder, corrupted=corrupted, outputs=model.outputs)
-    executed_flops = training_flops(encoder, corrupted=corrupted, outputs=model.outputs,
-                                    last_block_queries=1 + corrupted)
+    executed_flops = training_flops(
+        encoder, corrupted=corrupted, outputs=model.outputs, last_block_queries=1 + corrupted
+    )
     medians = {name: float(np.median([r[0] for r in rates])) for name, rates in results.items()}
     compute, in_memory, from_shards = medians.values()
     on_gpu = torch.cuda.is_available() and not args.smoke
     mfu = compute * model_flops / (args.peak_tflops * 1e12) if on_gpu else None
     ratio = from_shards / in_memory
     if on_gpu:
-        hardware = (f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, peak memory "
-                    f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        hardware = (
+            f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, peak memory "
+            f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        )
     else:
-        hardware = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        hardware = f"CPU {cpu_name()}, {torch.get_num_threads()} threads"
 
     print(f"\n=== bench_gpu: ViT MPP training{' (SMOKE: tiny model on CPU)' if args.smoke else ''} ===")
     print(f"date            {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"hardware        {hardware}; {os.cpu_count()} CPU cores")
-    print(f"software        torch {torch.__version__}, Lightning {pl.__version__}, Python {platform.python_version()}")
-    print(f"model           {encoder.image_size} px / {encoder.patch_size}, dim {encoder.dim}, depth {encoder.depth}, "
-          f"heads {encoder.heads}, MLP {encoder.mlp_dim}, {encoder.channels} ch; {corrupted} corrupted patches")
-    print(f"step            batch {args.batch}, {run['trainer'].get('precision')}, clip "
-          f"{run['trainer'].get('gradient_clip_val')}, compiled: {compiled}")
-    print(f"timing          {args.warmup} warm-up + {args.steps} timed steps per arm, {args.repeats} alternating "
-          f"repeat(s); shard arm: {args.images} JPEGs, {args.workers} workers")
+    print(f"software        {software()}, Python {platform.python_version()}")
+    print(
+        f"model           {encoder.image_size} px / {encoder.patch_size}, dim {encoder.dim}, depth {encoder.depth}, "
+        f"heads {encoder.heads}, MLP {encoder.mlp_dim}, {encoder.channels} ch; {corrupted} corrupted patches"
+    )
+    print(
+        f"step            batch {args.batch}, {run['trainer'].get('precision')}, clip "
+        f"{run['trainer'].get('gradient_clip_val')}, compiled: {compiled}"
+    )
+    print(
+        f"timing          {args.warmup} warm-up + {args.steps} timed steps per arm, {args.repeats} alternating "
+        f"repeat(s); shard arm: {args.images} JPEGs, {args.workers} workers"
+    )
     for name, rates in results.items():
         each = " ".join(f"{r[0]:.1f}" for r in rates)
-        print(f"{name:<24}{medians[name]:>10.1f} img/s   (median step {np.median([r[1] for r in rates]):.1f}; "
-              f"runs {each})")
-    print(f"FLOPs / image   {model_flops / 1e9:.4g} G counted (model), {executed_flops / 1e9:.4g} G executed "
-          f"(last block's skip); reference {REFERENCE_GFLOPS:.0f} G for ViT-B/16")
+        print(
+            f"{name:<24}{medians[name]:>10.1f} img/s   (median step {np.median([r[1] for r in rates]):.1f}; "
+            f"runs {each})"
+        )
+    print(
+        f"FLOPs / image   {model_flops / 1e9:.4g} G counted (model), {executed_flops / 1e9:.4g} G executed "
+        f"(last block's skip); reference {REFERENCE_GFLOPS:.0f} G for ViT-B/16"
+    )
     if mfu is not None:
         reference_mfu = compute * REFERENCE_GFLOPS * 1e9 / (args.peak_tflops * 1e12)
-        print(f"MFU             {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s ({compute * model_flops / 1e12:.1f} "
-              f"TFLOP/s); {reference_mfu:.1%} with the reference {REFERENCE_GFLOPS:.0f} G")
+        print(
+            f"MFU             {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s ({compute * model_flops / 1e12:.1f} "
+            f"TFLOP/s); {reference_mfu:.1%} with the reference {REFERENCE_GFLOPS:.0f} G"
+        )
     else:
         print("MFU             - (CPU: no MFU target)")
     print(f"Lightning       fit/mem / compute = {in_memory / compute:.3f}x")
     print(f"wall time       {time.perf_counter() - started:.0f} s")
-    verdict = "meets" if ratio >= TARGET else "MISSES"
-    print(f"ratio shards / in-memory fit: {ratio:.3f}x ({verdict} the target >= {TARGET:.2f}x); "
-          + (f"MFU {mfu:.1%}" if mfu is not None else "MFU - (CPU smoke)"))
+    verdict = "meets" if ratio >= SHARD_TARGET else "MISSES"
+    print(
+        f"ratio shards / in-memory fit: {ratio:.3f}x ({verdict} the target >= {SHARD_TARGET:.2f}x); "
+        + (f"MFU {mfu:.1%}" if mfu is not None else "MFU - (CPU smoke)")
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = argument_parser(__doc__)
     parser.add_argument("--batch", type=int, default=256, help="images per step (256: the config's batch per GPU)")
     parser.add_argument("--steps", type=int, default=60, help="timed steps of every arm, per repeat")
     parser.add_argument("--warmup", type=int, default=15, help="untimed steps first (compilation happens here)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating")
-    parser.add_argument("--workers", type=int, default=max(1, min(16, os.cpu_count() or 1) - 2),
-                        help="ShardDataModule workers (default: CPU cores - 2, at most 14)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=max(1, min(16, os.cpu_count() or 1) - 2),
+        help="ShardDataModule workers (default: CPU cores - 2, at most 14)",
+    )
     parser.add_argument("--images", type=int, default=2048, help="JPEGs written to the local shards")
-    parser.add_argument("--peak-tflops", type=float, default=989.0,
-                        help="the device's dense bf16 peak (H200 SXM: 989)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H200 SXM: 989)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the module eagerly")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny model, few steps, compiled with the aot_eager backend: runs on a CPU in seconds")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model, few steps, compiled with the aot_eager backend: runs on a CPU in seconds",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.steps, args.warmup, args.repeats, args.images = 8, 3, 2, 1, 48
@@ -219,16 +243,26 @@ def main() -> None:
     model = MaskedPatchPretraining(**run["model"]).to(device)
     if args.compile and args.smoke:
         model.compile(backend="aot_eager")
-    compiled = "no" if not args.compile else (
-        "MaskedPatchPretraining.forward in place, " + ("aot_eager backend" if args.smoke else "inductor"))
+    compiled = (
+        "no"
+        if not args.compile
+        else ("MaskedPatchPretraining.forward in place, " + ("aot_eager backend" if args.smoke else "inductor"))
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
-        shards = write_photo_shards(Path(tmp), images=args.images, per_shard=max(16, args.images // 32),
-                                    side=40 if args.smoke else 256)
-        arms = {"compute (plain loop)": compute_arm(model, run, batch=args.batch, steps=args.steps,
-                                                    warmup=args.warmup)}
-        fits = fit_arms(model, run, shards=shards, batch=args.batch, workers=args.workers,
-                        steps=args.warmup + args.steps, warmup=args.warmup)
+        shards = write_photo_shards(
+            Path(tmp), images=args.images, per_shard=max(16, args.images // 32), side=40 if args.smoke else 256
+        )
+        arms = {"compute (plain loop)": compute_arm(model, run, batch=args.batch, steps=args.steps, warmup=args.warmup)}
+        fits = fit_arms(
+            model,
+            run,
+            shards=shards,
+            batch=args.batch,
+            workers=args.workers,
+            steps=args.warmup + args.steps,
+            warmup=args.warmup,
+        )
         arms["fit/mem (Lightning)"] = fits["synthetic (in memory)"]
         arms["fit/shards (Lightning)"] = fits["shards (ShardDataModule)"]
         results = alternate(arms, args.repeats)

@@ -3,7 +3,7 @@
 Both sides decode the same JPEGs and do a random resized crop to the same size plus a
 horizontal flip, into uint8 (B, C, H, W) batches, at the same batch size and worker count.
 The baseline is what a torchvision-style folder pipeline does (open, convert to RGB, crop,
-resize, flip, to tensor) written with PIL alone. Runs alternate; each reads every image once.
+resize, flip, to tensor) written with PIL alone. Runs alternate (A B B A ...); each reads every image once.
 
     python tools/bench_loader.py --workers 1
     python tools/bench_loader.py --workers 2 --images 2000 --repeats 3
@@ -11,10 +11,10 @@ resize, flip, to tensor) written with PIL alone. Runs alternate; each reads ever
 
 from __future__ import annotations
 
-import argparse
-import platform
+import itertools
 import random
 import statistics
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterable
@@ -22,42 +22,24 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import webdataset
-from PIL import Image, ImageDraw, ImageFilter
+from benchkit import alternate, argument_parser, cpu_name, write_photo_shards
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from mpp.data.module import ShardDataModule
 from mpp.data.transforms import random_resized_box
 
 
-def synthetic_photo(rng: np.random.Generator, side: int) -> Image.Image:
-    """A photo-like RGB image about `side` px: smooth colour fields, shapes, edges and grain."""
-    width, height = (int(side * f) for f in rng.uniform(0.85, 1.25, size=2))
-    field = Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
-    draw = ImageDraw.Draw(field)
-    for _ in range(int(rng.integers(4, 12))):
-        x, y = rng.integers(0, width), rng.integers(0, height)
-        r = int(rng.integers(side // 16, side // 3))
-        fill = tuple(int(v) for v in rng.integers(0, 256, 3))
-        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x - r, y - r, x + r, y + r), fill=fill)
-    field = field.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.5, 2.0))))
-    grain = rng.normal(0, 6, (height, width, 3))
-    return Image.fromarray(np.clip(np.asarray(field, dtype=np.float32) + grain, 0, 255).astype(np.uint8))
-
-
 def make_data(root: Path, *, images: int, side: int, shards: int, seed: int) -> tuple[Path, str]:
-    """Write the same JPEGs (quality 90) to a folder and to shards; returns (folder, shard pattern)."""
-    rng = np.random.default_rng(seed)
+    """Write JPEGs (quality 90) to shards, and the very same bytes to a folder; returns (folder, shard pattern)."""
+    pattern = write_photo_shards(root / "shards", images=images, per_shard=-(-images // shards), side=side, seed=seed)
     folder = root / "folder"
     folder.mkdir()
-    per_shard = -(-images // shards)
-    for s in range(shards):
-        with webdataset.TarWriter(str(root / f"bench-{s:06d}.tar")) as sink:
-            for i in range(s * per_shard, min(images, (s + 1) * per_shard)):
-                path = folder / f"{i:06d}.jpg"
-                synthetic_photo(rng, side).save(path, quality=90)
-                sink.write({"__key__": f"{i:06d}", "jpg": path.read_bytes(), "cls": str(i % 10).encode()})
-    return folder, str(root / f"bench-{{000000..{shards - 1:06d}}}.tar")
+    for shard in sorted((root / "shards").glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                (folder / member.name).write_bytes(tar.extractfile(member).read())
+    return folder, pattern
 
 
 class FolderDataset(Dataset):
@@ -94,7 +76,7 @@ def images_per_second(loader: Iterable, expected: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers on both sides")
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--side", type=int, default=256, help="approximate source image side in px")
@@ -107,21 +89,34 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder, pattern = make_data(Path(tmp), images=args.images, side=args.side, shards=args.shards, seed=args.seed)
-        dm = ShardDataModule(train=pattern, batch_size=args.batch_size, num_workers=args.workers,
-                             image_size=args.image_size, seed=args.seed)
+        dm = ShardDataModule(
+            train=pattern,
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+            image_size=args.image_size,
+            seed=args.seed,
+        )
         dm.setup("fit")
-        baseline = DataLoader(FolderDataset(folder, args.image_size), batch_size=args.batch_size, shuffle=True,
-                              num_workers=args.workers)
-        runs: dict[str, list[float]] = {"ShardDataModule": [], "PIL folder Dataset": []}
+        baseline = DataLoader(
+            FolderDataset(folder, args.image_size), batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+        )
         images_per_second(dm.train_dataloader(), args.images)  # warm the page cache for both
-        for repeat in range(args.repeats):
-            dm.set_epoch(repeat)
-            runs["ShardDataModule"].append(images_per_second(dm.train_dataloader(), args.images))
-            runs["PIL folder Dataset"].append(images_per_second(baseline, args.images))
+        epochs = itertools.count()
+
+        def shards() -> float:
+            dm.set_epoch(next(epochs))
+            return images_per_second(dm.train_dataloader(), args.images)
+
+        runs = alternate(
+            {"ShardDataModule": shards, "PIL folder Dataset": lambda: images_per_second(baseline, args.images)},
+            args.repeats,
+        )
 
     per = max(args.workers, 1)
-    print(f"{args.images} JPEGs of ~{args.side} px -> {args.image_size} px crops, batch {args.batch_size}, "
-          f"{args.workers} workers, {args.repeats} alternating repeats; {platform.processor() or platform.machine()}")
+    print(
+        f"{args.images} JPEGs of ~{args.side} px -> {args.image_size} px crops, batch {args.batch_size}, "
+        f"{args.workers} workers, {args.repeats} alternating repeats; {cpu_name()}"
+    )
     print(f"{'loader':<20} {'img/s (median)':>15} {'img/s per worker':>17} {'all repeats':>28}")
     for name, values in runs.items():
         median = statistics.median(values)

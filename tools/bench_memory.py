@@ -18,7 +18,6 @@ last batch: growth between them is memory that accumulates while streaming.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import platform
 import resource
@@ -28,8 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
+from benchkit import SHARD_PREFIX, argument_parser, write_photo_shards
+
+from mpp.data.module import ShardDataModule
+from mpp.shards.format import shard_pattern
 
 TARGET = 1.10  # 200-shard peak / 10-shard peak
 
@@ -62,14 +63,19 @@ def children_mb() -> float | None:
     return max(sizes) if sizes else None
 
 
-def one_pass(pattern: str, *, workers: int, shuffle_buffer: int, batch: int, image_size: int) -> dict[str, float | None]:
+def one_pass(
+    pattern: str, *, workers: int, shuffle_buffer: int, batch: int, image_size: int
+) -> dict[str, float | None]:
     """Read every sample of `pattern` once; the memory figures of this process (see the module docstring)."""
-    from mpp.data.module import (
-        ShardDataModule,  # here: the parent process, which only writes shards, needs no torch
+    dm = ShardDataModule(
+        train=pattern,
+        batch_size=batch,
+        num_workers=workers,
+        image_size=image_size,
+        channels=3,
+        shuffle_buffer=shuffle_buffer,
+        resampled=False,
     )
-
-    dm = ShardDataModule(train=pattern, batch_size=batch, num_workers=workers, image_size=image_size,
-                         channels=3, shuffle_buffer=shuffle_buffer, resampled=False)
     dm.setup("fit")
     before = resident_mb()
     started = time.perf_counter()
@@ -83,21 +89,43 @@ def one_pass(pattern: str, *, workers: int, shuffle_buffer: int, batch: int, ima
         last = (now[0], now[1] if now[1] is not None else last[1])
         first = first or now
     # The loader's workers have exited and been waited for: RUSAGE_CHILDREN now includes them.
-    return {"samples": samples, "seconds": time.perf_counter() - started, "before": before,
-            "self_peak": megabytes_maxrss(resource.RUSAGE_SELF),
-            "children_peak": megabytes_maxrss(resource.RUSAGE_CHILDREN) if workers else None,
-            "self_first": first[0] if first else None, "self_last": last[0],
-            "worker_first": first[1] if first else None, "worker_last": last[1]}
+    return {
+        "samples": samples,
+        "seconds": time.perf_counter() - started,
+        "before": before,
+        "self_peak": megabytes_maxrss(resource.RUSAGE_SELF),
+        "children_peak": megabytes_maxrss(resource.RUSAGE_CHILDREN) if workers else None,
+        "self_first": first[0] if first else None,
+        "self_last": last[0],
+        "worker_first": first[1] if first else None,
+        "worker_last": last[1],
+    }
 
 
-def measure_side_by_side(patterns: list[str], *, workers: int, shuffle_buffer: int, batch: int,
-                         image_size: int) -> list[dict]:
+def measure_side_by_side(
+    patterns: list[str], *, workers: int, shuffle_buffer: int, batch: int, image_size: int
+) -> list[dict]:
     """`one_pass` over each pattern, each in a fresh interpreter, all at once: peaks are per process,
     so they do not mix, and the passes share whatever else the machine is doing."""
-    options = ["--workers", str(workers), "--shuffle-buffers", str(shuffle_buffer), "--batch", str(batch),
-               "--image-size", str(image_size)]
-    passes = [subprocess.Popen([sys.executable, __file__, "--one-pass", pattern, *options], text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for pattern in patterns]
+    options = [
+        "--workers",
+        str(workers),
+        "--shuffle-buffers",
+        str(shuffle_buffer),
+        "--batch",
+        str(batch),
+        "--image-size",
+        str(image_size),
+    ]
+    passes = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--one-pass", pattern, *options],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for pattern in patterns
+    ]
     figures = []
     for pattern, process in zip(patterns, passes):
         out, err = process.communicate()
@@ -107,92 +135,98 @@ def measure_side_by_side(patterns: list[str], *, workers: int, shuffle_buffer: i
     return figures
 
 
-def write_shards(folder: Path, *, shards: int, per_shard: int, side: int) -> None:
-    """`shards` tars of `per_shard` distinct ~`side` px RGB JPEGs each, named bench-NNNNNN.tar."""
-    import webdataset
-
-    rng = np.random.default_rng(0)
-    for index in range(shards):
-        with webdataset.TarWriter(str(folder / f"bench-{index:06d}.tar")) as sink:
-            for item in range(per_shard):
-                coarse = Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
-                image = coarse.resize((side + int(rng.integers(0, side // 4)), side), Image.Resampling.BICUBIC)
-                encoded = io.BytesIO()
-                image.save(encoded, "JPEG", quality=90)
-                sink.write({"__key__": f"{index:06d}_{item:04d}", "jpg": encoded.getvalue()})
-
-
 def mb(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def compare_setting(patterns: dict[int, str], args: argparse.Namespace, *, workers: int, shuffle_buffer: int,
-                    index: int) -> float:
+def compare_setting(
+    patterns: dict[int, str], args: argparse.Namespace, *, workers: int, shuffle_buffer: int, index: int
+) -> float:
     """Pairs of passes (few, many shards) of one setting: print their rows and ratios, return the worst ratio."""
     runs: dict[int, list[dict]] = {args.few: [], args.many: []}
     for repeat in range(args.repeats):
         order = [args.few, args.many] if (index + repeat) % 2 == 0 else [args.many, args.few]
-        measured = measure_side_by_side([patterns[n] for n in order], workers=workers, shuffle_buffer=shuffle_buffer,
-                                        batch=args.batch, image_size=args.image_size)
+        measured = measure_side_by_side(
+            [patterns[n] for n in order],
+            workers=workers,
+            shuffle_buffer=shuffle_buffer,
+            batch=args.batch,
+            image_size=args.image_size,
+        )
         for shards, figures in zip(order, measured):
             if figures["samples"] != shards * args.per_shard:
                 raise RuntimeError(f"read {figures['samples']} samples of {shards * args.per_shard}")
             runs[shards].append(figures)
-            print(f"{workers:>7} {shuffle_buffer:>6} {shards:>6} {figures['samples']:>7} {figures['seconds']:>5.1f} "
-                  f"{mb(figures['self_peak']):>9} {mb(figures['children_peak']):>8} {mb(figures['before']):>7} "
-                  f"{mb(figures['self_first']) + ' -> ' + mb(figures['self_last']):>17} "
-                  f"{mb(figures['worker_first']) + ' -> ' + mb(figures['worker_last']):>19}")
+            print(
+                f"{workers:>7} {shuffle_buffer:>6} {shards:>6} {figures['samples']:>7} {figures['seconds']:>5.1f} "
+                f"{mb(figures['self_peak']):>9} {mb(figures['children_peak']):>8} {mb(figures['before']):>7} "
+                f"{mb(figures['self_first']) + ' -> ' + mb(figures['self_last']):>17} "
+                f"{mb(figures['worker_first']) + ' -> ' + mb(figures['worker_last']):>19}"
+            )
     ratios = {}
     for key in ["self_peak"] + (["children_peak"] if workers else []):
         few, many = (max(r[key] for r in runs[n]) for n in (args.few, args.many))
         ratios[key.replace("_peak", "")] = many / few
-    print(f"{'':>7} {'':>6} peak {args.many} / {args.few} shards: "
-          + ", ".join(f"{name} {ratio:.3f}x" for name, ratio in ratios.items()))
+    print(
+        f"{'':>7} {'':>6} peak {args.many} / {args.few} shards: "
+        + ", ".join(f"{name} {ratio:.3f}x" for name, ratio in ratios.items())
+    )
     return max(ratios.values())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = argument_parser(__doc__)
     parser.add_argument("--few", type=int, default=10, help="shards in the small pass")
     parser.add_argument("--many", type=int, default=200, help="shards in the large pass")
     parser.add_argument("--per-shard", type=int, default=50, help="samples per shard")
-    parser.add_argument("--side", type=int, default=64, help="source JPEG height in px")
+    parser.add_argument("--side", type=int, default=64, help="approximate source JPEG side in px")
     parser.add_argument("--image-size", type=int, default=32, help="crop size in px")
     parser.add_argument("--batch", type=int, default=50)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts to try")
-    parser.add_argument("--shuffle-buffers", type=int, nargs="+", default=[0, 1000],
-                        help="sample shuffle buffer sizes to try (0: none)")
+    parser.add_argument(
+        "--shuffle-buffers", type=int, nargs="+", default=[0, 1000], help="sample shuffle buffer sizes to try (0: none)"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="pairs of passes per setting")
     parser.add_argument("--one-pass", metavar="PATTERN", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_pass:
-        figures = one_pass(args.one_pass, workers=args.workers[0], shuffle_buffer=args.shuffle_buffers[0],
-                           batch=args.batch, image_size=args.image_size)
+        figures = one_pass(
+            args.one_pass,
+            workers=args.workers[0],
+            shuffle_buffer=args.shuffle_buffers[0],
+            batch=args.batch,
+            image_size=args.image_size,
+        )
         print(json.dumps(figures))
         return
 
     started = time.perf_counter()
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        write_shards(Path(tmp), shards=args.many, per_shard=args.per_shard, side=args.side)
-        patterns = {args.few: f"{tmp}/bench-{{000000..{args.few - 1:06d}}}.tar",
-                    args.many: f"{tmp}/bench-{{000000..{args.many - 1:06d}}}.tar"}
-        print(f"{args.per_shard} JPEGs of ~{args.side} px per shard -> {args.image_size} px crops, batch "
-              f"{args.batch}; one full pass per fresh process, the two of a setting side by side; "
-              f"{platform.system()} {platform.machine()}")
-        print("MB: peak self / peak workers (getrusage); main before the pass; main and largest worker at "
-              "the first -> last batch (/proc)\n")
-        print(f"{'workers':>7} {'buffer':>6} {'shards':>6} {'samples':>7} {'s':>5} {'peak self':>9} "
-              f"{'peak wkr':>8} {'before':>7} {'main first->last':>17} {'worker first->last':>19}")
+        write_photo_shards(Path(tmp), images=args.many * args.per_shard, per_shard=args.per_shard, side=args.side)
+        patterns = {count: str(Path(tmp) / shard_pattern(SHARD_PREFIX, count)) for count in (args.few, args.many)}
+        print(
+            f"{args.per_shard} JPEGs of ~{args.side} px per shard -> {args.image_size} px crops, batch "
+            f"{args.batch}; one full pass per fresh process, the two of a setting side by side; "
+            f"{platform.system()} {platform.machine()}"
+        )
+        print(
+            "MB: peak self / peak workers (getrusage); main before the pass; main and largest worker at "
+            "the first -> last batch (/proc)\n"
+        )
+        print(
+            f"{'workers':>7} {'buffer':>6} {'shards':>6} {'samples':>7} {'s':>5} {'peak self':>9} "
+            f"{'peak wkr':>8} {'before':>7} {'main first->last':>17} {'worker first->last':>19}"
+        )
         settings = [(w, b) for b in args.shuffle_buffers for w in args.workers]
         for index, (workers, buffer) in enumerate(settings):
             worst = max(worst, compare_setting(patterns, args, workers=workers, shuffle_buffer=buffer, index=index))
 
     verdict = "flat: meets" if worst <= TARGET else "NOT flat: misses"
-    print(f"\nratio peak RSS {args.many} / {args.few} shards, worst of all settings: {worst:.3f}x "
-          f"({verdict} the target <= {TARGET:.2f}x); {time.perf_counter() - started:.0f} s")
+    print(
+        f"\nratio peak RSS {args.many} / {args.few} shards, worst of all settings: {worst:.3f}x "
+        f"({verdict} the target <= {TARGET:.2f}x); {time.perf_counter() - started:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ dependency: `make bench` installs it in its own environment.
 
 from __future__ import annotations
 
-import argparse
-import platform
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -19,10 +18,9 @@ from pathlib import Path
 
 import torch
 import yaml
+from benchkit import alternate, argument_parser, host_line, synchronize
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
-from mpp.model.pixels import to_unit_range
-from mpp.model.targets import prediction_loss
 
 PRESET = Path(__file__).parents[1] / "configs" / "model" / "vit_b.yaml"
 
@@ -35,8 +33,7 @@ def mpp_step(batch: int, image_size: int, device: torch.device) -> Callable[[], 
     images = torch.randint(0, 256, (batch, 3, image_size, image_size), dtype=torch.uint8, device=device)
 
     def step() -> None:
-        out = model(to_unit_range(images))
-        loss = prediction_loss(out.predictions, out.targets)
+        loss = model.loss(images)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -64,17 +61,15 @@ def timm_step(batch: int, image_size: int, device: torch.device) -> Callable[[],
 
 def timed(step: Callable[[], None], device: torch.device) -> float:
     """Seconds one step takes, synchronised on GPUs."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps of each, alternating")
@@ -83,20 +78,18 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
-    steps = {"mpp ViT-B/16 (MPP step)": mpp_step(args.batch, args.image_size, device),
-             "timm vit_base_patch16_224 (classification step)": timm_step(args.batch, args.image_size, device)}
+    steps = {
+        "mpp ViT-B/16 (MPP step)": mpp_step(args.batch, args.image_size, device),
+        "timm vit_base_patch16_224 (classification step)": timm_step(args.batch, args.image_size, device),
+    }
     for step in steps.values():
         for _ in range(args.warmup):
             step()
-    seconds: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    for repeat in range(args.repeats):
-        # Alternate, and swap who goes first every repeat (ABBA), so that machine noise and
-        # whatever one step leaves behind for the next hit both alike.
-        for name in order if repeat % 2 == 0 else reversed(order):
-            seconds[name].append(timed(steps[name], device))
+    # Alternate, and swap who goes first every repeat (ABBA), so that machine noise and
+    # whatever one step leaves behind for the next hit both alike.
+    seconds = alternate({name: functools.partial(timed, step, device) for name, step in steps.items()}, args.repeats)
 
-    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(host_line(str(device)))
     print(f"batch {args.batch}, {args.image_size} px, {args.repeats} alternating repeats, median step time\n")
     print("| step | s/step | img/s |\n|---|---|---|")
     rates = {}

@@ -27,6 +27,7 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mpp.config import read_config  # noqa: E402
 from mpp.eval.fewshot import evaluate_checkpoint  # noqa: E402
 from mpp.eval.records import history  # noqa: E402
 
@@ -81,10 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", default="configs/scratch/demo.yaml", help="from-scratch run config")
     parser.add_argument("--pretrained", help="an existing pretraining checkpoint (skips pretraining)")
     parser.add_argument("--train", help="labelled training shards for both arms (default: the configs')")
-    parser.add_argument("--test", nargs="+", default=["sample=shards/fashion-mnist/test-000000.tar"],
-                        help="test shard specs, optionally named as name=spec")
+    parser.add_argument(
+        "--test",
+        nargs="+",
+        default=["sample=shards/fashion-mnist/test-000000.tar"],
+        help="test shard specs, optionally named as name=spec",
+    )
     parser.add_argument("--steps", type=int, help="training steps of both arms (default: the configs')")
     parser.add_argument("--pretrain-steps", type=int, help="pretraining steps (default: the config's)")
+    # The table's few-shot columns; everything else about the evaluation is mpp.eval.fewshot.DEFAULTS.
     parser.add_argument("--shots", type=int, nargs="+", default=[10, 25], help="few-shot columns")
     parser.add_argument("--out", default="runs/compare", help="folder for every run, the table and the plot")
     args = parser.parse_args(argv)
@@ -97,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     pretrained = args.pretrained
     if pretrained is None:
         steps = ["--trainer.max_steps", str(args.pretrain_steps)] if args.pretrain_steps else []
-        wall["pretrain"] = mpp("fit", "--config", args.pretrain, "--trainer.default_root_dir", str(out / "pretrain"), *steps)
+        wall["pretrain"] = mpp(
+            "fit", "--config", args.pretrain, "--trainer.default_root_dir", str(out / "pretrain"), *steps
+        )
         pretrained = str(out / "pretrain" / "checkpoints" / "last.ckpt")
 
     for arm in ARMS:
@@ -109,10 +117,20 @@ def main(argv: list[str] | None = None) -> int:
         wall[arm] = mpp("fit", "--config", config, *overrides)
         checkpoint = str(out / arm / "checkpoints" / "last.ckpt")
         for name, spec in tests.items():  # later options win: each test run gets its own folder
-            mpp("test", "--config", config, *overrides, "--ckpt_path", checkpoint, "--data.test", spec,
-                "--trainer.default_root_dir", str(out / arm / f"test-{name}"))
+            mpp(
+                "test",
+                "--config",
+                config,
+                *overrides,
+                "--ckpt_path",
+                checkpoint,
+                "--data.test",
+                spec,
+                "--trainer.default_root_dir",
+                str(out / arm / f"test-{name}"),
+            )
 
-    fewshot_train = args.train or "shards/fashion-mnist/train-{000000..000009}.tar"
+    fewshot_train = args.train or read_config(ROOT / args.finetune)["data"]["train"]  # the arms' labelled shards
     first_test = next(iter(tests.values()))
     fewshot = {
         key: evaluate_checkpoint(path, train=fewshot_train, test=first_test, shots=args.shots)[0]
@@ -126,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     steps = {arm: torch.load(out / arm / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] for arm in ARMS}
     table = render(results, fewshot, steps, wall, tests, args)
     (out / "comparison.md").write_text(table + "\n")
-    (out / "comparison.json").write_text(json.dumps({"test_accuracy": results, "fewshot": fewshot, "steps": steps,
-                                                     "wall_seconds": wall}, indent=2))
+    (out / "comparison.json").write_text(
+        json.dumps({"test_accuracy": results, "fewshot": fewshot, "steps": steps, "wall_seconds": wall}, indent=2)
+    )
     plot({ARMS[arm]: curve(out / arm, "val/accuracy") for arm in ARMS}, out / "comparison.png")
     print(table)
     print(f"\ntable: {out / 'comparison.md'}\nplot: {out / 'comparison.png'}\nruns: {out}")
@@ -146,7 +165,9 @@ def render(results: dict, fewshot: dict, steps: dict, wall: dict, tests: dict, a
     deltas = " | ".join(f"{100 * (results['finetune'][n] - results['scratch'][n]):+.1f} pts" for n in tests)
     lines.append(f"| difference | {deltas} | " + " | ".join("" for _ in args.shots) + " | | |")
     few = ", ".join(f"{n}-shot {100 * fewshot['pretrained'][n]:.1f}%" for n in args.shots)
-    pretraining = f"pretraining {wall['pretrain'] / 60:.1f} min" if "pretrain" in wall else f"pretrained: {args.pretrained}"
+    pretraining = (
+        f"pretraining {wall['pretrain'] / 60:.1f} min" if "pretrain" in wall else f"pretrained: {args.pretrained}"
+    )
     lines += ["", f"Frozen pretrained encoder before fine-tuning: {few} ({pretraining})."]
     return "\n".join(lines)
 

@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     """Print the summary; exit 1 and list `<shard>:<key>: <reason>` lines if anything is broken."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("shards", nargs="+", help="shard paths, brace patterns or sidecar .json files")
-    parser.add_argument("--verify", action="store_true",
-                        help="fully decode every image and check labels and sidecar counts")
+    parser.add_argument(
+        "--verify", action="store_true", help="fully decode every image and check labels and sidecar counts"
+    )
     args = parser.parse_args(argv)
     try:
         report = inspect_shards(args.shards, verify=args.verify)

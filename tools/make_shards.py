@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mpp.shards.format import ShardError
+from mpp.shards.format import ShardError, shard_pattern, sidecar_name
 from mpp.shards.sources import (
     FASHION_MNIST_DIR,
     Source,
@@ -56,19 +56,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--out", type=Path, required=True, help="directory for shards and sidecar")
     common.add_argument("--prefix", help="shard name prefix (default: the split, or 'train')")
-    common.add_argument("--shard-samples", type=_positive, default=1000, metavar="N",
-                        help="samples per shard (default 1000)")
-    common.add_argument("--shard-bytes", type=_positive, metavar="N",
-                        help="start a new shard rather than pass this size")
-    common.add_argument("--resize-short", type=_positive, metavar="N",
-                        help="resize so the short side is N px")
+    common.add_argument(
+        "--shard-samples", type=_positive, default=1000, metavar="N", help="samples per shard (default 1000)"
+    )
+    common.add_argument(
+        "--shard-bytes", type=_positive, metavar="N", help="start a new shard rather than pass this size"
+    )
+    common.add_argument("--resize-short", type=_positive, metavar="N", help="resize so the short side is N px")
     common.add_argument("--format", choices=("png", "jpg"), default="png", dest="image_format")
     common.add_argument("--quality", type=int, default=95, help="JPEG quality, 1-100 (default 95)")
     common.add_argument("--limit", type=_positive, metavar="N", help="take only the first N images")
     common.add_argument("--shuffle", action="store_true", help="shuffle sample order before sharding")
     common.add_argument("--seed", type=int, default=0, help="seed of --shuffle and --holdout")
-    common.add_argument("--holdout", type=_holdout, metavar="N|F",
-                        help="hold out N images, or a fraction F of them, as a second shard set")
+    common.add_argument(
+        "--holdout",
+        type=_holdout,
+        metavar="N|F",
+        help="hold out N images, or a fraction F of them, as a second shard set",
+    )
     common.add_argument("--holdout-prefix", default="val", help="prefix of the held-out set (default val)")
     common.add_argument("--overwrite", action="store_true", help="replace existing shards")
     common.add_argument("--skip-bad", action="store_true", help="skip undecodable images, list them")
@@ -81,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     flat = sources.add_parser("flat", parents=[common], help="unlabeled images, recursively")
     flat.add_argument("root", type=Path)
     fmnist = sources.add_parser("fashion-mnist", parents=[common], help="FashionMNIST IDX files")
-    fmnist.add_argument("--dir", type=Path, default=FASHION_MNIST_DIR,
-                        help=f"directory of the IDX files (default: {FASHION_MNIST_DIR})")
+    fmnist.add_argument(
+        "--dir", type=Path, default=FASHION_MNIST_DIR, help=f"directory of the IDX files (default: {FASHION_MNIST_DIR})"
+    )
     fmnist.add_argument("--split", choices=("train", "test"), default="train")
     cifar_ = sources.add_parser("cifar", parents=[common], help="CIFAR-10/100 python pickles")
     cifar_.add_argument("root", type=Path, help="cifar-10-batches-py or cifar-100-python directory")
@@ -104,20 +110,28 @@ def load_source(args: argparse.Namespace) -> Source:
 
 def _summary(sidecar: dict[str, Any], out: Path) -> str:
     """`N samples in K shards: <pattern> (sidecar <path>)` for one written set."""
-    prefix, last = sidecar["prefix"], len(sidecar["shards"]) - 1
-    pattern = f"{prefix}-000000.tar" if last == 0 else f"{prefix}-{{000000..{last:06d}}}.tar"
-    return (f"{sidecar['samples']} samples in {last + 1} shards: {out / pattern} "
-            f"(sidecar {out / (prefix + '.json')})")
+    prefix, count = sidecar["prefix"], len(sidecar["shards"])
+    return (
+        f"{sidecar['samples']} samples in {count} shards: {out / shard_pattern(prefix, count)} "
+        f"(sidecar {out / sidecar_name(prefix)})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Write the shards (and a held-out set); print a summary, or the error naming the bad file."""
     args = parse_args(argv)
-    options = WriteOptions(shard_samples=args.shard_samples, shard_bytes=args.shard_bytes,
-                           resize_short=args.resize_short, image_format=args.image_format,
-                           quality=args.quality, limit=args.limit,
-                           seed=args.seed if args.shuffle else None, overwrite=args.overwrite,
-                           skip_bad=args.skip_bad, progress=not args.no_progress)
+    options = WriteOptions(
+        shard_samples=args.shard_samples,
+        shard_bytes=args.shard_bytes,
+        resize_short=args.resize_short,
+        image_format=args.image_format,
+        quality=args.quality,
+        limit=args.limit,
+        seed=args.seed if args.shuffle else None,
+        overwrite=args.overwrite,
+        skip_bad=args.skip_bad,
+        progress=not args.no_progress,
+    )
     prefix = args.prefix or getattr(args, "split", "train")
     try:
         source = load_source(args)
@@ -125,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             sidecar, skipped = write_shards(source, args.out, prefix, options)
             sidecars = [sidecar]
         else:
-            kept, held, skipped = write_split(source, args.out, prefix, args.holdout_prefix, args.holdout,
-                                              args.seed, options)
+            kept, held, skipped = write_split(
+                source, args.out, prefix, args.holdout_prefix, args.holdout, args.seed, options
+            )
             sidecars = [kept, held]
     except ShardError as error:
         print(f"error: {error}", file=sys.stderr)

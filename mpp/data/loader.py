@@ -20,9 +20,9 @@ from mpp.secrets import redact
 
 log = logging.getLogger(__name__)
 
+
 class EmptyEpochError(RuntimeError):
     """An epoch of a split yielded not one batch: every shard empty, unreadable or skipped."""
-
 
 
 class ShardLoader:
@@ -36,14 +36,20 @@ class ShardLoader:
     batch counts for nothing in the metrics (its batch size is 0).
     """
 
-    def __init__(self, stream: ShardStream, *, split: str, num_workers: int,
-                 position: Callable[[], tuple[int, int]], num_batches: int | None,
-                 in_step: Callable[[bool], bool] | None = None) -> None:
+    def __init__(
+        self,
+        stream: ShardStream,
+        *,
+        split: str,
+        num_workers: int,
+        position: Callable[[], tuple[int, int]],
+        num_batches: int | None,
+        in_step: Callable[[bool], bool] | None = None,
+    ) -> None:
         self.stream, self.split, self.num_batches, self._position = stream, split, num_batches, position
         self.in_step = in_step
         # Batches are collated inside the workers (batch_size=None), where skips are counted.
-        self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers,
-                                 pin_memory=torch.cuda.is_available())
+        self.loader = DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=torch.cuda.is_available())
 
     def __iter__(self) -> Iterator[Batch]:
         self.stream.epoch, self.stream.start_step = self._position()
@@ -65,7 +71,8 @@ class ShardLoader:
     def _not_empty(self, batches: Iterator[Batch]) -> Iterator[Batch]:
         """The batches; an epoch that ends before its first batch is an error naming the shards."""
         count = 0
-        for count, batch in enumerate(batches, 1):
+        for batch in batches:
+            count += 1
             yield batch
         if count == 0:
             raise self._empty()
@@ -84,17 +91,23 @@ class ShardLoader:
 
     def _empty_batch(self) -> Batch:
         channels, (height, width) = self.stream.transform.channels, self.stream.transform.size
-        return {"image": torch.empty((0, channels, height, width), dtype=torch.uint8),
-                "label": torch.empty((0,), dtype=torch.int64), "skipped": torch.zeros((), dtype=torch.int64)}
+        return {
+            "image": torch.empty((0, channels, height, width), dtype=torch.uint8),
+            "label": torch.empty((0,), dtype=torch.int64),
+            "skipped": torch.zeros((), dtype=torch.int64),
+        }
 
     def _empty(self, everywhere: bool = False) -> EmptyEpochError:
         urls = self.stream.urls
         shown = some_urls(urls)
         where = " on any rank" if everywhere else (f" on rank {self.stream.rank}" if self.stream.world_size > 1 else "")
-        return EmptyEpochError(redact(
-            f"data.{self.split} yielded no batch{where}: its {len(urls)} shard(s) ({shown}) hold no sample that "
-            "could be read (empty tars, or every sample skipped: the warnings above say why); check them with "
-            "`python tools/inspect_shards.py <shards> --verify`"))
+        return EmptyEpochError(
+            redact(
+                f"data.{self.split} yielded no batch{where}: its {len(urls)} shard(s) ({shown}) hold no sample that "
+                "could be read (empty tars, or every sample skipped: the warnings above say why); check them with "
+                "`python tools/inspect_shards.py <shards> --verify`"
+            )
+        )
 
 
 def fold_skip_only_batches(batches: Iterator[Batch]) -> Iterator[Batch]:

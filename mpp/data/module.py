@@ -94,13 +94,28 @@ class ShardDataModule(pl.LightningDataModule):
     epoch's shards, in that epoch's order, with fresh sample shuffling and augmentation.
     """
 
-    def __init__(self, *, train: ShardSpec | None = None, val: ShardSpec | None = None,
-                 test: ShardSpec | None = None, batch_size: int = 64, num_workers: int = 4,
-                 image_size: int | tuple[int, int] | None = None, channels: int | None = None,
-                 crop_scale: tuple[float, float] = (0.08, 1.0), crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                 hflip: bool = True, eval_crop_fraction: float = 0.875, shard_shuffle: bool = True,
-                 shuffle_buffer: int = 1000, resampled: bool = False, samples_per_epoch: int | None = None,
-                 seed: int = 0, allow_pipe: bool = False, max_image_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    def __init__(
+        self,
+        *,
+        train: ShardSpec | None = None,
+        val: ShardSpec | None = None,
+        test: ShardSpec | None = None,
+        batch_size: int = 64,
+        num_workers: int = 4,
+        image_size: int | tuple[int, int] | None = None,
+        channels: int | None = None,
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+        crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        hflip: bool = True,
+        eval_crop_fraction: float = 0.875,
+        shard_shuffle: bool = True,
+        shuffle_buffer: int = 1000,
+        resampled: bool = False,
+        samples_per_epoch: int | None = None,
+        seed: int = 0,
+        allow_pipe: bool = False,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> None:
         settings = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()
         # Lightning hands these to every logger and checkpoint: shard URLs go with credentials masked.
@@ -108,31 +123,49 @@ class ShardDataModule(pl.LightningDataModule):
         size = None if image_size is None else pair(image_size)
         _require(batch_size >= 1, "batch_size", batch_size, "a positive number of samples")
         _require(num_workers >= 0, "num_workers", num_workers, "0 or more worker processes")
-        _require(size is None or (len(size) == 2 and min(size) >= 1), "image_size", image_size,
-                 "an int or (H, W), or null for the encoder's")
+        _require(
+            size is None or (len(size) == 2 and min(size) >= 1),
+            "image_size",
+            image_size,
+            "an int or (H, W), or null for the encoder's",
+        )
         _require(channels in (None, 1, 3), "channels", channels, "1 or 3, or null for the encoder's")
         _require(0 < crop_scale[0] <= crop_scale[1] <= 1, "crop_scale", crop_scale, "(min, max) in (0, 1]")
         _require(0 < crop_ratio[0] <= crop_ratio[1], "crop_ratio", crop_ratio, "(min, max) > 0")
         _require(0 < eval_crop_fraction <= 1, "eval_crop_fraction", eval_crop_fraction, "in (0, 1]")
         _require(shuffle_buffer >= 0, "shuffle_buffer", shuffle_buffer, "0 or more samples")
-        _require(samples_per_epoch is None or samples_per_epoch >= 1, "samples_per_epoch", samples_per_epoch,
-                 "a positive number")
-        _require(not resampled or samples_per_epoch is not None, "samples_per_epoch", samples_per_epoch,
-                 "set with resampled=True, which makes an endless stream")
+        _require(
+            samples_per_epoch is None or samples_per_epoch >= 1,
+            "samples_per_epoch",
+            samples_per_epoch,
+            "a positive number",
+        )
+        _require(
+            not resampled or samples_per_epoch is not None,
+            "samples_per_epoch",
+            samples_per_epoch,
+            "set with resampled=True, which makes an endless stream",
+        )
         _require(max_image_pixels >= 1, "max_image_pixels", max_image_pixels, "a positive number of pixels")
         self.specs = {"train": train, "val": val, "test": test}
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.resampled, self.samples_per_epoch, self.allow_pipe = resampled, samples_per_epoch, allow_pipe
         self.shard_shuffle, self.shuffle_buffer = shard_shuffle, shuffle_buffer
         self.image_size, self.channels = size, channels
-        self._augment = {"scale": tuple(crop_scale), "ratio": tuple(crop_ratio), "hflip": hflip}
+        self._augment = ((crop_scale[0], crop_scale[1]), (crop_ratio[0], crop_ratio[1]), hflip)
         self._eval_crop_fraction, self._max_pixels = eval_crop_fraction, max_image_pixels
         self.rank, self.world_size = 0, 1
         self.urls: dict[str, list[str]] = {}
         self._epoch = self._step = 0
 
-    def setup(self, stage: str | None = None, *, rank: int | None = None, world_size: int | None = None,
-              encoder: ViTConfig | None = None) -> None:
+    def setup(
+        self,
+        stage: str | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        encoder: ViTConfig | None = None,
+    ) -> None:
         """Expand and check the shards a stage needs; rank/world size default to the trainer's, else 0/1,
         and the encoder whose image size and channels the images take to the trainer's module's."""
         if rank is not None and world_size is not None:
@@ -144,40 +177,57 @@ class ShardDataModule(pl.LightningDataModule):
         if encoder is None and self.trainer is not None:
             encoder = getattr(self.trainer.lightning_module, "encoder_config", None)
         size, channels = self._fit_the_encoder(encoder)
-        common = {"size": size, "channels": channels, "max_pixels": self._max_pixels}
-        self.train_transform = ImageTransform(train=True, **self._augment, **common)
-        self.eval_transform = ImageTransform(train=False, crop_fraction=self._eval_crop_fraction, **common)
+        scale, ratio, hflip = self._augment
+        self.train_transform = ImageTransform(
+            size=size, channels=channels, train=True, scale=scale, ratio=ratio, hflip=hflip, max_pixels=self._max_pixels
+        )
+        self.eval_transform = ImageTransform(
+            size=size,
+            channels=channels,
+            train=False,
+            crop_fraction=self._eval_crop_fraction,
+            max_pixels=self._max_pixels,
+        )
         required = {"fit": "train", "validate": "val", "test": "test"}.get(stage or "")
         if required is not None and self.specs[required] is None:
             raise ValueError(f"stage {stage!r} needs shards for {required!r}: set data.{required}")
         splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage or "", self.specs)
         for split in splits:
-            if self.specs[split] is not None:
+            spec = self.specs[split]
+            if spec is not None:
                 try:
-                    self.urls[split] = expand_urls(self.specs[split], allow_pipe=self.allow_pipe)
+                    self.urls[split] = expand_urls(spec, allow_pipe=self.allow_pipe)
                 except (OSError, ValueError) as error:
                     raise ConfigError(redact(f"data.{split}: {error}")) from error
         train = self.urls.get("train")
         if train is not None and self.world_size > 1 and not self.resampled:
-            log.warning("training on %d ranks without resampled=True: ranks may get unequal batch counts, "
-                        "which stalls DDP; set resampled=True and samples_per_epoch", self.world_size)
+            log.warning(
+                "training on %d ranks without resampled=True: ranks may get unequal batch counts, "
+                "which stalls DDP; set resampled=True and samples_per_epoch",
+                self.world_size,
+            )
         if train is not None and len(train) < self.world_size and not self.resampled:
             log.warning("train has %d shards for %d ranks: some ranks read nothing", len(train), self.world_size)
         if train is not None and self.resampled and len(train) < self.world_size and "train" in splits:
-            log.warning("train has %d shards for %d ranks: every rank draws from all of them, so ranks "
-                        "read the same samples; give at least one shard per rank", len(train), self.world_size)
+            log.warning(
+                "train has %d shards for %d ranks: every rank draws from all of them, so ranks "
+                "read the same samples; give at least one shard per rank",
+                len(train),
+                self.world_size,
+            )
 
     def _fit_the_encoder(self, encoder: ViTConfig | None) -> tuple[tuple[int, int], int]:
         """(H, W) and channels of the images: as set, else the encoder's; a mismatch is an error."""
         if encoder is None:
             return self.image_size or (224, 224), self.channels or 3
-        wanted = {"image_size": pair(encoder.image_size), "channels": encoder.channels}
-        for name, value in (("image_size", self.image_size), ("channels", self.channels)):
-            if value is not None and value != wanted[name]:
+        size, channels = pair(encoder.image_size), encoder.channels
+        for name, value, wanted in (("image_size", self.image_size, size), ("channels", self.channels, channels)):
+            if value is not None and value != wanted:
                 raise ValueError(
                     f"data.{name}={_plain(value)} does not fit the encoder's model.init_args.encoder.{name}="
-                    f"{_plain(wanted[name])}: leave data.{name} unset (it follows the encoder) or make the two equal")
-        return wanted["image_size"], wanted["channels"]
+                    f"{_plain(wanted)}: leave data.{name} unset (it follows the encoder) or make the two equal"
+                )
+        return size, channels
 
     def set_epoch(self, epoch: int, *, step: int = 0) -> None:
         """Choose the epoch that seeds shard order and augmentation, and the global step a training
@@ -211,20 +261,34 @@ class ShardDataModule(pl.LightningDataModule):
             raise RuntimeError(f"no shards for {split!r}: set data.{split} and call setup() first")
         resampled = train and self.resampled
         num_batches = None
-        if resampled:
+        if resampled and self.samples_per_epoch is not None:  # set whenever resampled (checked in __init__)
             num_batches = self.samples_per_epoch // (self.world_size * self.batch_size)
             if num_batches < 1:
-                raise ValueError(f"samples_per_epoch={self.samples_per_epoch} is less than one batch of "
-                                 f"{self.batch_size} on each of {self.world_size} ranks")
+                raise ValueError(
+                    f"samples_per_epoch={self.samples_per_epoch} is less than one batch of "
+                    f"{self.batch_size} on each of {self.world_size} ranks"
+                )
         stream = ShardStream(
-            urls=self.urls[split], rank=self.rank, world_size=self.world_size, batch_size=self.batch_size,
+            urls=self.urls[split],
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
             transform=self.train_transform if train else self.eval_transform,
-            shard_shuffle=train and self.shard_shuffle, shuffle_buffer=self.shuffle_buffer if train else 0,
-            resampled=resampled, seed=self.seed, allow_pipe=self.allow_pipe,
+            shard_shuffle=train and self.shard_shuffle,
+            shuffle_buffer=self.shuffle_buffer if train else 0,
+            resampled=resampled,
+            seed=self.seed,
+            allow_pipe=self.allow_pipe,
         )
         position = self._training_position if train else self._eval_position
-        return ShardLoader(stream, split=split, num_workers=self.num_workers, position=position,
-                           num_batches=num_batches, in_step=None if train else self._any_rank())
+        return ShardLoader(
+            stream,
+            split=split,
+            num_workers=self.num_workers,
+            position=position,
+            num_batches=num_batches,
+            in_step=None if train else self._any_rank(),
+        )
 
     def _any_rank(self) -> Callable[[bool], bool] | None:
         """For evaluation on several ranks: whether any rank still has a batch (see ShardLoader)."""

@@ -163,8 +163,14 @@ class _ResumingStream(io.RawIOBase):
     that doubles each time, reopening at the current byte; a fault that outlasts the retries, or
     one of the `permanent` errors, raises ShardOpenError naming the URL."""
 
-    def __init__(self, url: str, open_at: Callable[[int], tuple[BinaryIO, int | None]], *,
-                 permanent: tuple[type[BaseException], ...] = _PERMANENT, hint: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        open_at: Callable[[int], tuple[BinaryIO, int | None]],
+        *,
+        permanent: tuple[type[BaseException], ...] = _PERMANENT,
+        hint: str = "",
+    ) -> None:
         super().__init__()
         self.url, self._open_at, self._permanent, self._hint = url, open_at, permanent, hint
         self._retries, self._backoff = retry_settings()
@@ -186,7 +192,8 @@ class _ResumingStream(io.RawIOBase):
     def _read_once(self, buffer: Any) -> int:
         if self._stream is None:
             self._reopen()
-        n = self._stream.readinto(buffer) or 0
+        assert self._stream is not None
+        n = self._stream.readinto(buffer) or 0  # type: ignore[attr-defined]  # every opener's stream has it
         if n == 0 and len(buffer) and self._size is not None and self._pos < self._size:
             raise ConnectionError("the connection closed early")
         self._pos += n

@@ -34,8 +34,16 @@ log = logging.getLogger(__name__)
 Batch = dict[str, torch.Tensor]
 
 # What a broken sample or shard raises while being read or decoded (PIL uses several of these).
-_BAD_INPUT = (OSError, ValueError, SyntaxError, EOFError, IndexError, tarfile.TarError, zlib.error,
-              Image.DecompressionBombError)
+_BAD_INPUT = (
+    OSError,
+    ValueError,
+    SyntaxError,
+    EOFError,
+    IndexError,
+    tarfile.TarError,
+    zlib.error,
+    Image.DecompressionBombError,
+)
 
 
 def resampled_share(urls: Sequence[str], *, rank: int, world_size: int, worker: int, num_workers: int) -> list[str]:
@@ -58,9 +66,20 @@ class ShardStream(IterableDataset):
     shuffle and augmentation.
     """
 
-    def __init__(self, *, urls: Sequence[str], rank: int, world_size: int, batch_size: int,
-                 transform: ImageTransform, shard_shuffle: bool, shuffle_buffer: int,
-                 resampled: bool, seed: int, allow_pipe: bool) -> None:
+    def __init__(
+        self,
+        *,
+        urls: Sequence[str],
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        transform: ImageTransform,
+        shard_shuffle: bool,
+        shuffle_buffer: int,
+        resampled: bool,
+        seed: int,
+        allow_pipe: bool,
+    ) -> None:
         super().__init__()
         self.urls, self.rank, self.world_size, self.batch_size = list(urls), rank, world_size, batch_size
         self.transform, self.shard_shuffle, self.shuffle_buffer = transform, shard_shuffle, shuffle_buffer
@@ -79,8 +98,9 @@ class ShardStream(IterableDataset):
             trail.record_stop_signals()
         samples = _tar_samples(self._shard_order(rng, worker, num_workers, skips), skips, self.allow_pipe, trail)
         if self.shuffle_buffer > 1:
-            samples = webdataset.filters.shuffle(self.shuffle_buffer, initial=min(100, self.shuffle_buffer),
-                                                 rng=rng)(samples)
+            samples = webdataset.filters.shuffle(self.shuffle_buffer, initial=min(100, self.shuffle_buffer), rng=rng)(
+                samples
+            )
         shape = (self.transform.channels, *self.transform.size)
         return _batches(_decoded(samples, self.transform, rng, skips, trail), self.batch_size, skips, shape)
 
@@ -91,8 +111,9 @@ class ShardStream(IterableDataset):
         batch: it stops with an error naming them once every shard of its share has been seen empty.
         """
         if self.resampled:
-            share = resampled_share(self.urls, rank=self.rank, world_size=self.world_size, worker=worker,
-                                    num_workers=num_workers)
+            share = resampled_share(
+                self.urls, rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers
+            )
             while True:
                 if skips.empty_shards.issuperset(share):
                     raise EmptyShardsError(redact(_empty_message(share)))
@@ -115,8 +136,10 @@ def some_urls(urls: Sequence[str]) -> str:
 
 
 def _empty_message(share: Sequence[str]) -> str:
-    return (f"every shard this stream draws from is empty (a tar with no members): {some_urls(share)}; there is "
-            "nothing to train on. Check them with `python tools/inspect_shards.py <shards>`")
+    return (
+        f"every shard this stream draws from is empty (a tar with no members): {some_urls(share)}; there is "
+        "nothing to train on. Check them with `python tools/inspect_shards.py <shards>`"
+    )
 
 
 class _Skips:
@@ -137,12 +160,20 @@ class _Skips:
         self.count += 1
         self.streak += 1
         if self.streak >= self.limit:
-            raise RuntimeError(redact(f"{self.streak} samples or shards in a row were unreadable, the last "
-                                      f"{what}: {type(error).__name__}: {error}"))
+            raise RuntimeError(
+                redact(
+                    f"{self.streak} samples or shards in a row were unreadable, the last "
+                    f"{what}: {type(error).__name__}: {error}"
+                )
+            )
         if not _Skips.warned:
             _Skips.warned = True
-            log.warning("skipped %s: %s: %s (further skips are counted in batch['skipped'] and logged at "
-                        "DEBUG level)", what, type(error).__name__, error)
+            log.warning(
+                "skipped %s: %s: %s (further skips are counted in batch['skipped'] and logged at DEBUG level)",
+                what,
+                type(error).__name__,
+                error,
+            )
         else:
             log.debug("skipped %s: %s: %s", what, type(error).__name__, error)
 
@@ -178,8 +209,9 @@ def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: Tr
             stream.close()
 
 
-def _decoded(samples: Iterator[dict[str, Any]], transform: ImageTransform, rng: random.Random,
-             skips: _Skips, trail: Trail) -> Iterator[tuple[np.ndarray, int]]:
+def _decoded(
+    samples: Iterator[dict[str, Any]], transform: ImageTransform, rng: random.Random, skips: _Skips, trail: Trail
+) -> Iterator[tuple[np.ndarray, int]]:
     """Samples -> (image (H, W, C) uint8, label or -1); bad samples are counted and dropped."""
     for sample in samples:
         trail.decoding(sample["__key__"], sample["__url__"])
@@ -197,8 +229,9 @@ def _decoded(samples: Iterator[dict[str, Any]], transform: ImageTransform, rng: 
         yield image, label
 
 
-def _batches(examples: Iterator[tuple[np.ndarray, int]], batch_size: int, skips: _Skips,
-             shape: tuple[int, int, int]) -> Iterator[Batch]:
+def _batches(
+    examples: Iterator[tuple[np.ndarray, int]], batch_size: int, skips: _Skips, shape: tuple[int, int, int]
+) -> Iterator[Batch]:
     """Collate into batches; each is held back until the next fills, so skips after the last still count.
 
     A worker with skips but no sample to batch yields a batch of no images, of (C, H, W) `shape`,
@@ -226,8 +259,9 @@ def _batches(examples: Iterator[tuple[np.ndarray, int]], batch_size: int, skips:
         yield held
 
 
-def _collate(pixels: list[np.ndarray], labels: list[int], skipped: int,
-             shape: tuple[int, int, int] | None = None) -> Batch:
+def _collate(
+    pixels: list[np.ndarray], labels: list[int], skipped: int, shape: tuple[int, int, int] | None = None
+) -> Batch:
     """(H, W, C) arrays -> a batch; one strided copy per image (numpy's is twice as fast as torch.stack's).
 
     `shape` (C, H, W) is needed only when there are no arrays to take it from.
@@ -236,7 +270,8 @@ def _collate(pixels: list[np.ndarray], labels: list[int], skipped: int,
     images = np.empty((len(pixels), channels, height, width), dtype=np.uint8)
     for slot, hwc in zip(images, pixels):
         slot[...] = hwc.transpose(2, 0, 1)
-    return {"image": torch.from_numpy(images), "label": torch.tensor(labels, dtype=torch.int64),
-            "skipped": torch.tensor(skipped, dtype=torch.int64)}
-
-
+    return {
+        "image": torch.from_numpy(images),
+        "label": torch.tensor(labels, dtype=torch.int64),
+        "skipped": torch.tensor(skipped, dtype=torch.int64),
+    }

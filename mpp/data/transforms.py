@@ -36,8 +36,8 @@ def random_resized_box(
             return (left, top, left + w, top + h)
     # No draw fitted (extreme ratios or tiny images): the largest centred crop within `ratio`.
     aspect = min(max(width / height, ratio[0]), ratio[1])
-    w, h = (width, width / aspect) if width / height <= aspect else (height * aspect, height)
-    return ((width - w) / 2, (height - h) / 2, (width + w) / 2, (height + h) / 2)
+    fit_w, fit_h = (width, width / aspect) if width / height <= aspect else (height * aspect, height)
+    return ((width - fit_w) / 2, (height - fit_h) / 2, (width + fit_w) / 2, (height + fit_h) / 2)
 
 
 def center_box(width: int, height: int, *, size: tuple[int, int], crop_fraction: float) -> Box:
@@ -78,11 +78,12 @@ class ImageTransform:
 
     def __call__(self, data: bytes, rng: random.Random) -> np.ndarray:
         """Decode, crop and resize one image -> (H, W, channels) uint8."""
-        image = Image.open(io.BytesIO(data))  # reads the header only; pixels are decoded on first use
+        image: Image.Image = Image.open(io.BytesIO(data))  # reads the header only; pixels are decoded on first use
         if image.width * image.height > self.max_pixels:
             raise Image.DecompressionBombError(
                 f"a {image.width}x{image.height} image has {image.width * image.height} pixels, over the "
-                f"limit of {self.max_pixels} (max_image_pixels)")
+                f"limit of {self.max_pixels} (max_image_pixels)"
+            )
         if self.train:
             box = random_resized_box(image.width, image.height, scale=self.scale, ratio=self.ratio, rng=rng)
         else:

@@ -17,7 +17,6 @@ import braceexpand
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
 
 
-
 def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[str]:
     """A shard spec (path, brace pattern, local glob, URL, or a list of those) -> the list of shard URLs.
 
@@ -31,7 +30,6 @@ def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[
         for url in braceexpand.braceexpand(item):
             urls.extend(_checked(url, item, allow_pipe))
     return urls
-
 
 
 def _checked(url: str, item: str, allow_pipe: bool) -> list[str]:
@@ -58,7 +56,6 @@ def _checked(url: str, item: str, allow_pipe: bool) -> list[str]:
     return [path]
 
 
-
 def folder_patterns(folder: str) -> str:
     """What to give instead of a folder: a brace pattern for each run of numbered tars in it."""
     runs: dict[tuple[str, str], list[str]] = {}
@@ -81,10 +78,8 @@ def folder_patterns(folder: str) -> str:
     return "give its shards as a pattern, e.g. " + " or ".join(patterns)
 
 
-
 def _relative(path: str) -> str:
     return "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
-
 
 
 def check_pipe_allowed(url: str, *, allow_pipe: bool) -> None:

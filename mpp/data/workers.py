@@ -24,6 +24,7 @@ from mpp.secrets import redact
 
 T = TypeVar("T")
 
+
 class Position(NamedTuple):
     """Where one DataLoader worker was: pid 0 if it never wrote; `stopped_by` the stopping signal
     (SIGTERM, SIGINT, SIGHUP) it received, 0 if none."""
@@ -38,7 +39,6 @@ class Position(NamedTuple):
         where = f"reading shard {self.shard}" if self.shard else "before it opened a shard"
         doing = f", decoding sample {self.sample}" if self.sample else ""
         return f"worker {self.worker} (pid {self.pid}) {where}{doing}"
-
 
 
 class Whereabouts:
@@ -57,22 +57,31 @@ class Whereabouts:
 
     def write(self, worker: int, shard: str, sample: str, stopped_by: int = 0) -> None:
         # Cut by bytes so the fields fit one slot; a character cut in half reads as U+FFFD.
-        fields = [str(os.getpid()).encode(), shard.encode("utf-8", "replace")[:2560],
-                  sample.encode("utf-8", "replace")[:1500], str(stopped_by).encode()]
+        fields = [
+            str(os.getpid()).encode(),
+            shard.encode("utf-8", "replace")[:2560],
+            sample.encode("utf-8", "replace")[:1500],
+            str(stopped_by).encode(),
+        ]
         data = b"\0".join(fields) + b"\0"
         start = worker * self.SLOT
-        self.memory[start : start + len(data)] = data
+        self.memory[start : start + len(data)] = data  # type: ignore[call-overload]  # a c_char array takes bytes
 
     def read(self) -> list[Position]:
         positions = []
         for worker in range(self.workers):
-            slot = self.memory[worker * self.SLOT : (worker + 1) * self.SLOT]
+            slot: bytes = self.memory[worker * self.SLOT : (worker + 1) * self.SLOT]  # type: ignore[assignment]
             pid, shard, sample, stopped_by = (slot.split(b"\0") + [b"", b"", b""])[:4]
-            positions.append(Position(worker, int(pid) if pid.isdigit() else 0, shard.decode("utf-8", "replace"),
-                                      sample.decode("utf-8", "replace"),
-                                      int(stopped_by) if stopped_by.isdigit() else 0))
+            positions.append(
+                Position(
+                    worker,
+                    int(pid) if pid.isdigit() else 0,
+                    shard.decode("utf-8", "replace"),
+                    sample.decode("utf-8", "replace"),
+                    int(stopped_by) if stopped_by.isdigit() else 0,
+                )
+            )
         return positions
-
 
 
 class Trail:
@@ -96,11 +105,12 @@ class Trail:
         """In a worker: note a stopping signal in Whereabouts, then die of it as before. torch's words
         for the death ("exited unexpectedly", where it noticed while waiting for a batch) do not
         always say the signal, and a stopped run is not a crash nor the out-of-memory killer."""
-        if self.whereabouts is None:
+        whereabouts = self.whereabouts
+        if whereabouts is None:
             return
 
         def stopped(signum: int, frame: object) -> None:
-            self.whereabouts.write(self.worker, self.shard, self.sample, stopped_by=signum)
+            whereabouts.write(self.worker, self.shard, self.sample, stopped_by=signum)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
@@ -122,7 +132,6 @@ def supervised(start: Callable[[], Iterator[T]], whereabouts: Whereabouts | None
 
 class WorkerDiedError(RuntimeError):
     """A DataLoader worker was killed or exited; the message names the shard it was reading."""
-
 
 
 def _naming_deaths(batches: Iterator[T], whereabouts: Whereabouts) -> Iterator[T]:
@@ -147,10 +156,8 @@ def _naming_deaths(batches: Iterator[T], whereabouts: Whereabouts) -> Iterator[T
         _watched.discard(whereabouts)
 
 
-
 # The positions of the workers of every loader being iterated, for the SIGCHLD handler below.
 _watched: weakref.WeakSet[Whereabouts] = weakref.WeakSet()
-
 
 
 def _watch_worker_deaths() -> None:
@@ -179,12 +186,10 @@ def _watch_worker_deaths() -> None:
     signal.signal(signal.SIGCHLD, handler)
 
 
-
 def _torch_death_pids(error: BaseException) -> set[int]:
     """The pids in torch's "DataLoader worker (pid N) is killed by signal" / "(pid(s) N, M) exited" errors."""
     match = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\)", str(error))
     return {int(pid) for pid in match.group(1).split(",")} if match else set()
-
 
 
 def _exited(pids: Iterable[int]) -> set[int]:
@@ -201,11 +206,11 @@ def _exited(pids: Iterable[int]) -> set[int]:
     return gone
 
 
-
 def _died(error: BaseException, positions: list[Position], dead: set[int]) -> WorkerDiedError | RunStopped:
     """The error naming where each dead worker was; torch's words for how it died are kept. A worker
     stopped by SIGTERM, SIGINT or SIGHUP was not killed for memory: the run was asked to stop."""
-    cause, seen = error, set()
+    cause: BaseException | None = error
+    seen = set()
     while cause is not None and id(cause) not in seen:  # the handler's error, below torch's "exited"
         if isinstance(cause, WorkerDiedError):  # a fresh error: raising `cause` from `error` would loop the chain
             return WorkerDiedError(str(cause))
@@ -218,10 +223,17 @@ def _died(error: BaseException, positions: list[Position], dead: set[int]) -> Wo
     signals = [p.stopped_by for p in positions if p.pid in dead and p.stopped_by]
     signum = stop_signal(str(error)) or (signals[0] if signals else None)
     if signum is not None:  # sent to the whole process group: a scheduler's stop, `kill`, Ctrl-C
-        return RunStopped(redact(
-            f"the run was stopped by {signal.Signals(signum).name}, which also stopped its DataLoader workers "
-            f"({where}); resume with --ckpt_path last"), signum)
-    return WorkerDiedError(redact(
-        f"a DataLoader worker died: {where}. {type(error).__name__}: {str(error).rstrip()} If it was killed "
-        "(often by the out-of-memory killer), use fewer workers or a smaller shuffle_buffer; if it crashed, "
-        "try that sample on its own."))
+        return RunStopped(
+            redact(
+                f"the run was stopped by {signal.Signals(signum).name}, which also stopped its DataLoader workers "
+                f"({where}); resume with --ckpt_path last"
+            ),
+            signum,
+        )
+    return WorkerDiedError(
+        redact(
+            f"a DataLoader worker died: {where}. {type(error).__name__}: {str(error).rstrip()} If it was killed "
+            "(often by the out-of-memory killer), use fewer workers or a smaller shuffle_buffer; if it crashed, "
+            "try that sample on its own."
+        )
+    )

@@ -1,11 +1,11 @@
-"""Few-shot linear evaluation (section 4.1): regularised least squares, solved in closed form,
-from frozen image representations to {-1, 1}^K targets; and a callback that runs it during
-training. The paper chose between masked patch prediction variants by this number.
+"""Few-shot accuracy of a frozen encoder (mpp.eval.linear) on labelled shards: a callback that
+measures it during training, and evaluate_checkpoint for any mpp checkpoint.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import pytorch_lightning as pl
 import torch
@@ -13,76 +13,10 @@ from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
 from mpp.data.module import ShardDataModule, ShardSpec
+from mpp.eval.linear import DEFAULTS, fewshot_evaluation
 from mpp.model.checkpoint import encoder_and_normalisation
 from mpp.model.pixels import to_unit_range
 from mpp.model.vit import ViT
-
-BIAS_FEATURE = 100.0
-
-
-def fewshot_accuracy(
-    train_features: Tensor,
-    train_labels: Tensor,
-    test_features: Tensor,
-    test_labels: Tensor,
-    *,
-    num_classes: int,
-    l2: float = 1024.0,
-) -> float:
-    """(N, D), (N,), (M, D), (M,) -> top-1 accuracy on the test features of the ridge regression
-    fitted to the train features: features standardised with the train statistics plus a bias
-    column make X, targets in {-1, 1}^K make Y, and W solves (XᵀX + l2·I) W = XᵀY in float64."""
-    x, x_test = train_features.double(), test_features.double()
-    mean, std = x.mean(dim=0), x.std(dim=0, unbiased=False) + 1e-5
-    x, x_test = (x - mean) / std, (x_test - mean) / std
-    # A bias column of a large constant: its weight is barely regularised, as a bias should be.
-    x = torch.cat([x, torch.full_like(x[:, :1], BIAS_FEATURE)], dim=1)
-    x_test = torch.cat([x_test, torch.full_like(x_test[:, :1], BIAS_FEATURE)], dim=1)
-    targets = 2.0 * nn.functional.one_hot(train_labels.long(), num_classes).double() - 1.0  # (N, K)
-    gram = x.T @ x + l2 * torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
-    weights = torch.linalg.solve(gram, x.T @ targets)  # (D + 1, K)
-    predictions = (x_test @ weights).argmax(dim=1)
-    return (predictions == test_labels.to(predictions.device)).double().mean().item()
-
-
-def pick_shots(labels: Tensor, *, shots: int, num_classes: int, seed: int) -> Tensor:
-    """(N,) labels -> (shots · K,) indices: `shots` examples of every class, drawn with `seed`."""
-    generator = torch.Generator().manual_seed(seed)
-    chosen = []
-    for label in range(num_classes):
-        (members,) = torch.nonzero(labels.cpu() == label, as_tuple=True)
-        if len(members) < shots:
-            raise ValueError(
-                f"class {label} has {len(members)} few-shot training examples, fewer than {shots} shots: "
-                "give more training samples (max_train), shards that mix the classes, or fewer shots"
-            )
-        chosen.append(members[torch.randperm(len(members), generator=generator)[:shots]])
-    return torch.cat(chosen)
-
-
-def fewshot_evaluation(
-    features: Tensor,
-    labels: Tensor,
-    test_features: Tensor,
-    test_labels: Tensor,
-    *,
-    shots: Sequence[int] = (1, 5, 10, 25),
-    seeds: int = 3,
-    num_classes: int,
-    l2: float = 1024.0,
-) -> dict[int, float]:
-    """(N, D), (N,), (M, D), (M,) -> {n: accuracy on all test features, averaged over `seeds`
-    draws of n training examples per class}."""
-    results = {}
-    for n in shots:
-        accuracies = []
-        for seed in range(seeds):
-            chosen = pick_shots(labels, shots=n, num_classes=num_classes, seed=seed)
-            accuracies.append(
-                fewshot_accuracy(features[chosen], labels[chosen], test_features, test_labels, num_classes=num_classes, l2=l2)
-            )
-        results[n] = sum(accuracies) / len(accuracies)
-    return results
 
 
 @torch.no_grad()
@@ -124,6 +58,7 @@ class FewShotEvaluation(pl.Callback):
     Uses the module's `encoder` and `normalise`, so it runs under pretraining and fine-tuning alike.
     Features come from the first `max_train` samples of `train` (labelled shards that mix the
     classes) and the first `max_test` of `test`, with the evaluation transform, in shard order.
+    The defaults are DEFAULTS (FewShotSettings), which evaluate_checkpoint and tools/fewshot.py share.
 
     Args:
         train: labelled shards the n-shot examples are drawn from.
@@ -139,7 +74,7 @@ class FewShotEvaluation(pl.Callback):
         max_test: test samples read.
         l2: the ridge regulariser.
         batch_size: images per forward pass.
-        num_workers: DataLoader workers (0 reads in the training process).
+        num_workers: DataLoader workers (0 reads in the training process; more reorder the samples).
         eval_crop_fraction: as ShardDataModule's.
     """
 
@@ -151,15 +86,15 @@ class FewShotEvaluation(pl.Callback):
         num_classes: int,
         image_size: int | tuple[int, int] | None = None,
         channels: int | None = None,
-        shots: Sequence[int] = (1, 5, 10, 25),
-        seeds: int = 3,
-        every_n_steps: int = 1000,
-        max_train: int = 10000,
-        max_test: int = 10000,
-        l2: float = 1024.0,
-        batch_size: int = 256,
-        num_workers: int = 0,
-        eval_crop_fraction: float = 1.0,
+        shots: Sequence[int] = DEFAULTS.shots,
+        seeds: int = DEFAULTS.seeds,
+        every_n_steps: int = DEFAULTS.every_n_steps,
+        max_train: int = DEFAULTS.max_train,
+        max_test: int = DEFAULTS.max_test,
+        l2: float = DEFAULTS.l2,
+        batch_size: int = DEFAULTS.batch_size,
+        num_workers: int = DEFAULTS.num_workers,
+        eval_crop_fraction: float = DEFAULTS.eval_crop_fraction,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"FewShotEvaluation.every_n_steps must be at least 1, got {every_n_steps}")
@@ -173,16 +108,25 @@ class FewShotEvaluation(pl.Callback):
         self.every_n_steps, self.max_train, self.max_test = every_n_steps, max_train, max_test
         # The few-shot training set is read as the module's `val` split: evaluation transform, in order.
         self.data = ShardDataModule(
-            val=train, test=test, batch_size=batch_size, num_workers=num_workers, image_size=image_size,
-            channels=channels, eval_crop_fraction=eval_crop_fraction, shard_shuffle=False, shuffle_buffer=0,
+            val=train,
+            test=test,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            image_size=image_size,
+            channels=channels,
+            eval_crop_fraction=eval_crop_fraction,
+            shard_shuffle=False,
+            shuffle_buffer=0,
         )
         self.last_step: int | None = None
         self.history: dict[int, dict[int, float]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError("FewShotEvaluation runs the encoder on rank zero alone, which FSDP's sharded "
-                             "weights do not allow: use DDP or remove the callback")
+            raise ValueError(
+                "FewShotEvaluation runs the encoder on rank zero alone, which FSDP's sharded "
+                "weights do not allow: use DDP or remove the callback"
+            )
         try:  # checked against, and completed from, the module's encoder, as the run's own data is
             self.data.setup(rank=0, world_size=1, encoder=getattr(pl_module, "encoder_config", None))
         except ValueError as error:
@@ -195,8 +139,14 @@ class FewShotEvaluation(pl.Callback):
             features, labels = self._features(pl_module, self.data.val_dataloader(), self.max_train)
             test_features, test_labels = self._features(pl_module, self.data.test_dataloader(), self.max_test)
         results = fewshot_evaluation(
-            features, labels, test_features, test_labels,
-            shots=self.shots, seeds=self.seeds, num_classes=self.num_classes, l2=self.l2,
+            features,
+            labels,
+            test_features,
+            test_labels,
+            shots=self.shots,
+            seeds=self.seeds,
+            num_classes=self.num_classes,
+            l2=self.l2,
         )
         self.history[step], self.last_step = results, step
         # Straight to the loggers: this also runs in on_train_end, where `self.log` is not allowed.
@@ -206,8 +156,11 @@ class FewShotEvaluation(pl.Callback):
         return results
 
     @staticmethod
-    def _features(pl_module: pl.LightningModule, loader: Iterable[dict[str, Tensor]], limit: int) -> tuple[Tensor, Tensor]:
-        return extract_features(pl_module.encoder, limited(loader, limit), normalise=pl_module.normalise, device=pl_module.device)
+    def _features(
+        pl_module: pl.LightningModule, loader: Iterable[dict[str, Tensor]], limit: int
+    ) -> tuple[Tensor, Tensor]:
+        encoder, normalise = cast(ViT, pl_module.encoder), cast(nn.Module, pl_module.normalise)  # an EncoderModule's
+        return extract_features(encoder, limited(loader, limit), normalise=normalise, device=pl_module.device)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The starting point, and an early failure if the few-shot data cannot serve the shots.
@@ -231,16 +184,16 @@ def evaluate_checkpoint(
     *,
     train: ShardSpec,
     test: ShardSpec,
-    shots: Sequence[int] = (1, 5, 10, 25),
-    seeds: int = 3,
+    shots: Sequence[int] = DEFAULTS.shots,
+    seeds: int = DEFAULTS.seeds,
     num_classes: int | None = None,
-    max_train: int = 10000,
-    max_test: int = 10000,
+    max_train: int = DEFAULTS.max_train,
+    max_test: int = DEFAULTS.max_test,
     image_size: int | tuple[int, int] | None = None,
-    l2: float = 1024.0,
-    batch_size: int = 256,
-    num_workers: int = 2,
-    eval_crop_fraction: float = 1.0,
+    l2: float = DEFAULTS.l2,
+    batch_size: int = DEFAULTS.batch_size,
+    num_workers: int = DEFAULTS.num_workers,
+    eval_crop_fraction: float = DEFAULTS.eval_crop_fraction,
     device: torch.device | str = "cpu",
 ) -> tuple[dict[int, float], int, int]:
     """Few-shot accuracy of any mpp checkpoint's frozen encoder -> ({n: accuracy}, train count, test count).
@@ -253,12 +206,18 @@ def evaluate_checkpoint(
     encoder.to(device)
     normalise.to(device)
     data = ShardDataModule(
-        val=train, test=test, batch_size=batch_size, num_workers=num_workers,
-        image_size=encoder.config.image_size, channels=encoder.config.channels,
-        eval_crop_fraction=eval_crop_fraction, shard_shuffle=False, shuffle_buffer=0,
+        val=train,
+        test=test,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        eval_crop_fraction=eval_crop_fraction,
+        shard_shuffle=False,
+        shuffle_buffer=0,
     )
-    data.setup(rank=0, world_size=1)
-    features, labels = extract_features(encoder, limited(data.val_dataloader(), max_train), normalise=normalise, device=device)
+    data.setup(rank=0, world_size=1, encoder=encoder.config)  # the images take the encoder's size and channels
+    features, labels = extract_features(
+        encoder, limited(data.val_dataloader(), max_train), normalise=normalise, device=device
+    )
     test_features, test_labels = extract_features(
         encoder, limited(data.test_dataloader(), max_test), normalise=normalise, device=device
     )

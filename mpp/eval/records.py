@@ -78,7 +78,9 @@ def run_folders(wandb_dir: Path, run_id: str) -> list[Path]:
     folders = [path.parent for path in wandb_dir.glob(f"*/run-{run_id}.wandb") if not path.parent.is_symlink()]
 
     def start(folder: Path) -> float:  # a file that holds no run record yet (its header alone) goes first
-        run = next((r.run for r in records(folder / f"run-{run_id}.wandb") if r.WhichOneof("record_type") == "run"), None)
+        run = next(
+            (r.run for r in records(folder / f"run-{run_id}.wandb") if r.WhichOneof("record_type") == "run"), None
+        )
         return run.start_time.seconds + run.start_time.nanos * 1e-9 if run else float("-inf")
 
     return sorted(folders, key=start)

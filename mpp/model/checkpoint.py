@@ -50,13 +50,21 @@ def load_encoder(path: str, *, expected: ViTConfig | None = None, checkpoint: di
             f"checkpoint {path} has no encoder_config or state_dict: give a checkpoint written by "
             "MaskedPatchPretraining or ImageClassifier (runs/<name>/checkpoints/*.ckpt)"
         )
-    saved = {f.name: checkpoint["encoder_config"][f.name] for f in fields(ViTConfig) if f.name in checkpoint["encoder_config"]}
+    saved = {
+        f.name: checkpoint["encoder_config"][f.name]
+        for f in fields(ViTConfig)
+        if f.name in checkpoint["encoder_config"]
+    }
     config = ViTConfig(**saved)
     if expected is not None:
         wanted, found = _architecture(asdict(expected)), _architecture(asdict(config))
-        differing = [f"encoder.{k}: configured {wanted[k]}, checkpoint {found[k]}" for k in wanted if wanted[k] != found[k]]
+        differing = [
+            f"encoder.{k}: configured {wanted[k]}, checkpoint {found[k]}" for k in wanted if wanted[k] != found[k]
+        ]
         if differing:
-            raise ValueError(f"the encoder of checkpoint {path} does not match the configured one: " + "; ".join(differing))
+            raise ValueError(
+                f"the encoder of checkpoint {path} does not match the configured one: " + "; ".join(differing)
+            )
         config = ViTConfig(**{**asdict(expected), "image_size": config.image_size})
     encoder = ViT(config)
     weights = {k.removeprefix("encoder."): v for k, v in checkpoint["state_dict"].items() if k.startswith("encoder.")}

@@ -28,6 +28,9 @@ class Normalise(nn.Module):
         std: likewise.
     """
 
+    mean: Tensor  # (1, C, 1, 1) buffers
+    std: Tensor
+
     def __init__(self, *, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
         if len(mean) != len(std):
@@ -61,7 +64,6 @@ def pair(value: int | tuple[int, int] | list[int]) -> Size2d:
         return (value, value)
     height, width = value
     return (int(height), int(width))
-
 
 
 def patchify(images: Tensor, patch_size: int | tuple[int, int]) -> Tensor:

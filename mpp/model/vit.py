@@ -51,7 +51,7 @@ class ViTConfig:
             raise ValueError(f"encoder.dim ({self.dim}) must be divisible by encoder.heads ({self.heads})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"encoder.dropout must be in [0, 1), got {self.dropout}")
-        for (image, patch, axis) in zip(pair(self.image_size), pair(self.patch_size), ("height", "width")):
+        for image, patch, axis in zip(pair(self.image_size), pair(self.patch_size), ("height", "width")):
             if patch < 1 or image < 1 or image % patch:
                 raise ValueError(
                     f"encoder.patch_size {self.patch_size} must divide encoder.image_size "
@@ -170,7 +170,7 @@ class ViT(nn.Module):
                 nn.init.zeros_(module.bias)
         # The patch projection is a linear map of the flattened patch: initialise it as one.
         nn.init.xavier_uniform_(self.patch_embed.weight.view(self.config.dim, -1))
-        nn.init.zeros_(self.patch_embed.bias)
+        nn.init.zeros_(self.patch_embed.bias)  # type: ignore[arg-type]  # made with bias=True
         nn.init.normal_(self.pos_embed, std=0.02)
         nn.init.zeros_(self.cls_token)
 

@@ -1,4 +1,4 @@
-"""The shard format mpp writes and reads: shard names, the end-of-archive block, the sidecar's tag."""
+"""The shard format mpp writes and reads: shard and sidecar names, the end-of-archive block, the sidecar's tag."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import tarfile
 
 FORMAT = "mpp-shards/1"  # the sidecar's "format"
 EOF_MARKER = bytes(2 * tarfile.BLOCKSIZE)  # a tar ends with two zero blocks
-SHARD_NAME = re.compile(r"^(?P<prefix>[A-Za-z0-9][A-Za-z0-9_-]*)-\d{6}\.tar$")
+PREFIX = r"[A-Za-z0-9][A-Za-z0-9_-]*"  # a set's prefix: no '.', which would end a sample's key
+SHARD_NAME = re.compile(rf"^(?P<prefix>{PREFIX})-\d{{6}}\.tar$")
 
 
 class ShardError(Exception):
@@ -24,3 +25,14 @@ def shard_pattern(prefix: str, count: int) -> str:
     if count == 1:
         return shard_name(prefix, 0)
     return f"{prefix}-{{{0:06d}..{count - 1:06d}}}.tar"
+
+
+def is_shard_of(name: str, prefix: str) -> bool:
+    """Whether `name` is the name of a shard of the set `prefix`: `train-000003.tar` of `train`."""
+    match = SHARD_NAME.fullmatch(name)
+    return match is not None and match["prefix"] == prefix
+
+
+def sidecar_name(prefix: str) -> str:
+    """The file name of a set's JSON sidecar: `train.json`."""
+    return f"{prefix}.json"

@@ -9,11 +9,13 @@ from PIL import Image
 # The one list: the shard inspector checks them and folder sources pick up files with them.
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp", "ppm", "pgm", "pbm", "tif", "tiff", "gif")
 
-
-
 # PIL's own default for Image.MAX_IMAGE_PIXELS: about 0.25 GiB of RGB pixels (a 9459 px square).
 DEFAULT_MAX_PIXELS = 89_478_485
 
+
+def is_16bit(mode: str) -> bool:
+    """Whether a PIL mode is one 16-bit PNG and TIFF images open in: "I" (32-bit integers), "I;16", "I;16B", ..."""
+    return mode == "I" or mode.startswith("I;16")
 
 
 def to_8bit(image: Image.Image) -> Image.Image:
@@ -23,8 +25,8 @@ def to_8bit(image: Image.Image) -> Image.Image:
         return image
     if mode == "1":
         return image.convert("L")
-    if mode == "I" or mode.startswith("I;16"):
-        # 16-bit PNG/TIFF: map 0..65535 onto 0..255 (Pillow's own convert clips at 255).
+    if is_16bit(mode):
+        # Map 0..65535 onto 0..255, rounding (Pillow's own convert clips at 255). The writer stores them so.
         wide = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
         return Image.fromarray(((wide + 128) // 257).astype(np.uint8), "L")
     if mode == "F":
@@ -37,7 +39,6 @@ def to_8bit(image: Image.Image) -> Image.Image:
     if alpha:
         return _on_black(image.convert("RGBA"), "RGB")
     return image.convert("RGB")  # P, CMYK, YCbCr, LAB, HSV, RGBX
-
 
 
 def _on_black(image: Image.Image, mode: str) -> Image.Image:

@@ -14,7 +14,7 @@ from typing import Any
 from braceexpand import braceexpand
 from PIL import Image
 
-from mpp.shards.format import FORMAT, SHARD_NAME, ShardError
+from mpp.shards.format import FORMAT, SHARD_NAME, ShardError, sidecar_name
 from mpp.shards.images import IMAGE_EXTENSIONS
 from mpp.shards.tar import MemberOrderError, iter_samples
 
@@ -32,6 +32,7 @@ class Inspection:
 
     @property
     def total(self) -> int:
+        """Samples in all the shards read."""
         return sum(self.shards.values())
 
 
@@ -61,15 +62,16 @@ def resolve_shards(specs: Sequence[str]) -> tuple[list[Path], dict[Path, dict[st
                 shards.append(path)
     given = set(sidecars)
     for path in shards:  # a shard named like ours finds its sidecar next to it
-        match = SHARD_NAME.match(path.name)
-        candidate = path.parent / f"{match['prefix']}.json" if match else None
+        match = SHARD_NAME.fullmatch(path.name)
+        candidate = path.parent / sidecar_name(match["prefix"]) if match else None
         if candidate and candidate not in sidecars and candidate.is_file():
             sidecars[candidate] = _load_sidecar(candidate)
     return list(dict.fromkeys(shards)), sidecars, given
 
 
-def _check_sample(shard: Path, key: str, members: dict[str, bytes], report: Inspection,
-                  verify: bool, labelled: bool) -> None:
+def _check_sample(
+    shard: Path, key: str, members: dict[str, bytes], report: Inspection, verify: bool, labelled: bool
+) -> None:
     """Count one sample into `report`, appending a problem for each thing wrong with it."""
     problems: list[str] = []
     images = [ext for ext in members if ext in IMAGE_EXTENSIONS]
@@ -100,8 +102,7 @@ def _check_sample(shard: Path, key: str, members: dict[str, bytes], report: Insp
     report.problems += [f"{shard}:{key}: {reason}" for reason in problems]
 
 
-def _read_shard(shard: Path, report: Inspection, verify: bool, labelled: bool,
-                seen: dict[str, Path]) -> int:
+def _read_shard(shard: Path, report: Inspection, verify: bool, labelled: bool, seen: dict[str, Path]) -> int:
     """Check every sample of one tar (gzip-compressed or not), grouped as the loader groups them;
     report damage with how many complete samples were read before it."""
     count = 0
@@ -139,17 +140,15 @@ def inspect_shards(specs: Sequence[str], verify: bool = False) -> Inspection:
             report.problems.append(f"{shard}: no such shard file")
             continue
         entry = listed.get(shard)
-        report.shards[str(shard)] = _read_shard(shard, report, verify, entry is not None
-                                                and report.classes is not None, seen)
+        report.shards[str(shard)] = _read_shard(
+            shard, report, verify, entry is not None and report.classes is not None, seen
+        )
         if entry and entry["samples"] != report.shards[str(shard)]:
-            report.problems.append(f"{shard}: {report.shards[str(shard)]} samples, "
-                                   f"sidecar says {entry['samples']}")
+            report.problems.append(f"{shard}: {report.shards[str(shard)]} samples, sidecar says {entry['samples']}")
         if entry and entry.get("bytes") not in (None, shard.stat().st_size):
-            report.problems.append(f"{shard}: {shard.stat().st_size} bytes, "
-                                   f"sidecar says {entry['bytes']}")
+            report.problems.append(f"{shard}: {shard.stat().st_size} bytes, sidecar says {entry['bytes']}")
     for path in given:
         sidecar = sidecars[path]
         if sum(s["samples"] for s in sidecar["shards"]) != sidecar["samples"]:
-            report.problems.append(f"{path}: shard counts do not add up to "
-                                   f"samples={sidecar['samples']}")
+            report.problems.append(f"{path}: shard counts do not add up to samples={sidecar['samples']}")
     return report

@@ -18,8 +18,18 @@ from mpp.shards.images import IMAGE_EXTENSIONS
 
 # Where Debian's `dataset-fashion-mnist` package installs the IDX files.
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 # File suffixes of the images a folder source picks up: those the loader reads from shards.
 IMAGE_SUFFIXES = frozenset(f".{extension}" for extension in IMAGE_EXTENSIONS)
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -59,11 +69,14 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
-def _array_source(images: np.ndarray, labels: Sequence[int], classes: Sequence[str],
-                  where: str) -> Source:
+def _array_source(images: np.ndarray, labels: Sequence[int] | np.ndarray, classes: Sequence[str], where: str) -> Source:
     """Wrap uint8 (N, H, W) or (N, H, W, 3) arrays; grayscale stays mode L."""
-    return Source(labels=[int(y) for y in labels], load=lambda i: Image.fromarray(images[i]),
-                  origin=lambda i: f"{where}[{i}]", classes=list(classes))
+    return Source(
+        labels=[int(y) for y in labels],
+        load=lambda i: Image.fromarray(images[i]),
+        origin=lambda i: f"{where}[{i}]",
+        classes=list(classes),
+    )
 
 
 def fashion_mnist(directory: Path = FASHION_MNIST_DIR, split: str = "train") -> Source:
@@ -76,16 +89,19 @@ def fashion_mnist(directory: Path = FASHION_MNIST_DIR, split: str = "train") -> 
         candidates = [directory / f"{stem}-{kind}{ext}" for ext in ("", ".gz")]
         path = next((p for p in candidates if p.is_file()), None)
         if path is None:
-            raise ShardError(f"{candidates[0]}(.gz) not found; install Debian's "
-                             "dataset-fashion-mnist or pass --dir with the folder of the IDX files")
+            raise ShardError(
+                f"{candidates[0]}(.gz) not found; install Debian's "
+                "dataset-fashion-mnist or pass --dir with the folder of the IDX files"
+            )
         found.append(path)
     images, labels = read_idx(found[0]), read_idx(found[1])
     if images.ndim != 3 or images.dtype != np.uint8:
-        raise ShardError(f"{found[0]}: expected uint8 images (N, H, W), "
-                         f"got {images.dtype} {images.shape}")
+        raise ShardError(f"{found[0]}: expected uint8 images (N, H, W), got {images.dtype} {images.shape}")
     if labels.shape != images.shape[:1] or labels.max(initial=0) >= len(FASHION_MNIST_CLASSES):
-        raise ShardError(f"{found[1]}: {labels.shape[0]} labels in 0..{labels.max(initial=0)} "
-                         f"do not fit {images.shape[0]} images of 10 classes")
+        raise ShardError(
+            f"{found[1]}: {labels.shape[0]} labels in 0..{labels.max(initial=0)} "
+            f"do not fit {images.shape[0]} images of 10 classes"
+        )
     return _array_source(images, labels, FASHION_MNIST_CLASSES, str(found[0]))
 
 
@@ -95,6 +111,7 @@ class _ArrayUnpickler(pickle.Unpickler):
     _ALLOWED = {"_reconstruct", "_frombuffer", "ndarray", "dtype", "scalar"}
 
     def find_class(self, module: str, name: str) -> Any:
+        """The numpy class the pickle names, if it is one allowed; else UnpicklingError."""
         if module.split(".")[0] == "numpy" and name in self._ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
@@ -115,8 +132,11 @@ def cifar(directory: Path, split: str = "train", labels: str = "fine") -> Source
     if (directory / "batches.meta").is_file():
         names = _unpickle(directory / "batches.meta")[b"label_names"]
         label_key = b"labels"
-        files = [directory / "test_batch"] if split == "test" else sorted(
-            directory.glob("data_batch_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+        files = (
+            [directory / "test_batch"]
+            if split == "test"
+            else sorted(directory.glob("data_batch_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+        )
     elif (directory / "meta").is_file():
         names = _unpickle(directory / "meta")[f"{labels}_label_names".encode()]
         label_key = f"{labels}_labels".encode()
@@ -138,8 +158,9 @@ def cifar(directory: Path, split: str = "train", labels: str = "fine") -> Source
 
 def _image_files(root: Path) -> list[Path]:
     # Dot-files are skipped: macOS leaves `._name.jpg` resource forks that are not images.
-    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES
-                  and not p.name.startswith(".") and p.is_file())
+    return sorted(
+        p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file()
+    )
 
 
 def _open_image(path: Path) -> Image.Image:
@@ -151,12 +172,10 @@ def _open_image(path: Path) -> Image.Image:
         raise ShardError(f"{path}: cannot decode image ({error})") from None
 
 
-def _file_source(files: list[Path], labels: list[int | None], classes: list[str] | None,
-                 root: Path) -> Source:
+def _file_source(files: list[Path], labels: list[int | None], classes: list[str] | None, root: Path) -> Source:
     if not files:
         raise ShardError(f"{root}: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found")
-    return Source(labels=labels, load=lambda i: _open_image(files[i]),
-                  origin=lambda i: str(files[i]), classes=classes)
+    return Source(labels=labels, load=lambda i: _open_image(files[i]), origin=lambda i: str(files[i]), classes=classes)
 
 
 def image_folder(root: Path) -> Source:

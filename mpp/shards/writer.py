@@ -1,4 +1,15 @@
-"""Write image sets as WebDataset tar shards with a JSON sidecar, optionally with a seeded held-out set."""
+"""Write image sets as WebDataset tar shards with a JSON sidecar, optionally with a seeded held-out set.
+
+Kept over webdataset's ShardWriter: its shards pass the byte limit (130 KiB at 20 KiB); an interrupted one looks whole.
+
+webdataset.ShardWriter checks its maxsize against the member bytes written so far, before the
+next sample, so a shard passes it by headers, padding and a sample (tests/test_shards.py's
+shard_bytes test fails); closing it on an exception ends the partial shard as a sound tar under
+its final name (the interrupted-run test fails), and with nothing to write it leaves an empty
+shard. Its TarWriter, given mtime=0, mode 0o644 and no user or group, writes the bytes tarfile
+writes here but with each sample's members in name order; importing webdataset loads torch,
+which mpp.shards does without.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from mpp.shards.format import EOF_MARKER, FORMAT, ShardError
+from mpp.shards.format import EOF_MARKER, FORMAT, PREFIX, ShardError, is_shard_of, shard_name, sidecar_name
+from mpp.shards.images import is_16bit, to_8bit
 from mpp.shards.sources import Source
 
 
@@ -39,22 +50,23 @@ class WriteOptions:
 
 def storable(image: Image.Image, image_format: str) -> Image.Image:
     """Convert to the nearest of L / LA / RGB / RGBA the format can hold; grey stays grey."""
-    if image.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit scans: keep the top 8 bits
-        image = Image.fromarray((np.clip(np.asarray(image), 0, 65535) >> 8).astype(np.uint8))
-    grey = image.mode in ("1", "L", "LA", "La", "F")
+    if is_16bit(image.mode) or image.mode == "F":  # 16-bit scans, float images: 8 bits as the loader makes them
+        image = to_8bit(image)
+    grey = image.mode in ("1", "L", "LA", "La")
     alpha = image.mode.endswith(("A", "a")) or (image.mode == "P" and "transparency" in image.info)
     target = ("L" if grey else "RGB") + ("A" if alpha and image_format == "png" else "")
     return image if image.mode == target else image.convert(target)
 
 
-def encode_image(image: Image.Image, image_format: str = "png", quality: int = 95,
-                 resize_short: int | None = None) -> bytes:
+def encode_image(
+    image: Image.Image, image_format: str = "png", quality: int = 95, resize_short: int | None = None
+) -> bytes:
     """PNG or JPEG bytes of `image`, optionally resized so its short side is `resize_short`."""
     image = storable(image, image_format)
     if resize_short and min(image.size) != resize_short:
         scale = resize_short / min(image.size)
-        size = tuple(max(resize_short, round(s * scale)) for s in image.size)
-        image = image.resize(size, Image.Resampling.BICUBIC)
+        width, height = (max(resize_short, round(side * scale)) for side in image.size)
+        image = image.resize((width, height), Image.Resampling.BICUBIC)
     buffer = io.BytesIO()
     if image_format == "png":
         image.save(buffer, "PNG")  # PIL writes no timestamps: same pixels, same bytes
@@ -78,18 +90,20 @@ class _ShardWriter:
     def __init__(self, out_dir: Path, prefix: str, options: WriteOptions) -> None:
         self.out_dir, self.prefix, self.options = out_dir, prefix, options
         self.shards: list[dict[str, Any]] = []
-        self.path = out_dir / f"{prefix}-000000.tar"
+        self.path = out_dir / shard_name(prefix, 0)
         self.tar: tarfile.TarFile | None = None
         self.count = self.used = 0
 
     def add(self, members: list[tuple[str, bytes]]) -> None:
+        """Write one sample's members, in a new shard if this one would pass a limit."""
         size = sum(_member_bytes(len(data)) for _, data in members)
         limit = self.options.shard_bytes
-        if self.tar is not None and (self.count >= self.options.shard_samples
-                                     or (limit and _tar_bytes(self.used + size) > limit)):
+        if self.tar is not None and (
+            self.count >= self.options.shard_samples or (limit and _tar_bytes(self.used + size) > limit)
+        ):
             self.finish()
         if self.tar is None:
-            self.path = self.out_dir / f"{self.prefix}-{len(self.shards):06d}.tar"
+            self.path = self.out_dir / shard_name(self.prefix, len(self.shards))
             # Written under a temporary name: an interrupted run leaves no complete-looking shard.
             self.tar = tarfile.open(self.temporary, "w", format=tarfile.USTAR_FORMAT)
             self.count = self.used = 0
@@ -105,18 +119,20 @@ class _ShardWriter:
 
     @property
     def temporary(self) -> Path:
+        """Where the shard in hand is written until it is complete."""
         return self.path.with_name(self.path.name + ".tmp")
 
     def finish(self) -> None:
+        """Close the shard in hand, give it its name and record it."""
         if self.tar is None:
             return
         self.tar.close()
         self.tar = None
         os.replace(self.temporary, self.path)
-        self.shards.append({"name": self.path.name, "samples": self.count,
-                            "bytes": self.path.stat().st_size})
+        self.shards.append({"name": self.path.name, "samples": self.count, "bytes": self.path.stat().st_size})
 
     def abort(self) -> None:
+        """Drop the shard in hand: no partial shard is left."""
         if self.tar is not None:
             self.tar.close()
             self.tar = None
@@ -124,13 +140,13 @@ class _ShardWriter:
 
 
 def _existing_outputs(out_dir: Path, prefix: str) -> list[Path]:
-    shards = sorted(p for p in out_dir.glob(f"{prefix}-*.tar")
-                    if re.fullmatch(rf"{re.escape(prefix)}-\d{{6}}\.tar", p.name))
-    return shards + [p for p in [out_dir / f"{prefix}.json"] if p.exists()]
+    names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    shards = [out_dir / name for name in names if is_shard_of(name, prefix)]
+    return shards + [p for p in [out_dir / sidecar_name(prefix)] if p.exists()]
 
 
 def _check_prefix(prefix: str) -> None:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", prefix):
+    if not re.fullmatch(PREFIX, prefix):
         raise ShardError(f"prefix {prefix!r}: use letters, digits, '_' and '-' (keys must have no '.')")
 
 
@@ -142,8 +158,13 @@ def _check_free(out_dir: Path, prefix: str, options: WriteOptions) -> list[Path]
     return old
 
 
-def write_shards(source: Source, out_dir: Path, prefix: str, options: WriteOptions = WriteOptions(),
-                 indices: Sequence[int] | None = None) -> tuple[dict[str, Any], list[str]]:
+def write_shards(
+    source: Source,
+    out_dir: Path,
+    prefix: str,
+    options: WriteOptions = WriteOptions(),
+    indices: Sequence[int] | None = None,
+) -> tuple[dict[str, Any], list[str]]:
     """Write `<prefix>-NNNNNN.tar` shards and `<prefix>.json`; return the sidecar and skipped images.
 
     `indices` are the source images to write (default: all), of which `options.limit` takes the first.
@@ -175,31 +196,35 @@ def write_shards(source: Source, out_dir: Path, prefix: str, options: WriteOptio
             try:
                 data = encode_image(image, options.image_format, options.quality, options.resize_short)
             except (OSError, ValueError) as error:
-                raise ShardError(f"{source.origin(index)}: cannot encode as "
-                                 f"{options.image_format} ({error})") from None
+                raise ShardError(f"{source.origin(index)}: cannot encode as {options.image_format} ({error})") from None
             members = [(f"{key}.{options.image_format}", data)]
             if source.labels[index] is not None:
                 members.append((f"{key}.cls", str(source.labels[index]).encode("ascii")))
             writer.add(members)
         writer.finish()
         if not writer.shards:
-            raise ShardError(f"nothing written for {prefix}: the source is empty, the limit is 0 "
-                             f"or every image was skipped")
+            raise ShardError(
+                f"nothing written for {prefix}: the source is empty, the limit is 0 or every image was skipped"
+            )
     except BaseException:
         writer.abort()
         raise
-    sidecar = {"format": FORMAT, "prefix": prefix, "shards": writer.shards,
-               "samples": sum(s["samples"] for s in writer.shards),
-               "classes": list(source.classes) if source.classes is not None else None,
-               "image_format": options.image_format}
-    sidecar_path = out_dir / f"{prefix}.json"
+    sidecar = {
+        "format": FORMAT,
+        "prefix": prefix,
+        "shards": writer.shards,
+        "samples": sum(s["samples"] for s in writer.shards),
+        "classes": list(source.classes) if source.classes is not None else None,
+        "image_format": options.image_format,
+    }
+    sidecar_path = out_dir / sidecar_name(prefix)
     temporary = sidecar_path.with_name(sidecar_path.name + ".tmp")
     temporary.write_text(json.dumps(sidecar, indent=1) + "\n")
     os.replace(temporary, sidecar_path)
     # Shards left from an earlier, larger run would silently join a glob or brace pattern.
     written = {s["name"] for s in writer.shards}
     for path in old:
-        if path.suffix == ".tar" and path.name not in written:
+        if is_shard_of(path.name, prefix) and path.name not in written:
             path.unlink()
     return sidecar, skipped
 
@@ -209,17 +234,24 @@ def holdout_split(indices: Sequence[int], holdout: float, seed: int) -> tuple[li
     if below 1, rounded), both in their given order."""
     count = int(holdout * len(indices) + 0.5) if holdout < 1 else int(holdout)
     if not 0 < count < len(indices):
-        raise ShardError(f"holdout {holdout} of {len(indices)} images is {count}: "
-                         "hold out at least one and keep at least one")
+        raise ShardError(
+            f"holdout {holdout} of {len(indices)} images is {count}: hold out at least one and keep at least one"
+        )
     # Its own stream of the seed: the choice must not change with --shuffle, which draws from `seed`.
     chosen = set(random.Random(f"holdout/{seed}").sample(range(len(indices)), count))
     kept = [index for n, index in enumerate(indices) if n not in chosen]
     return kept, [index for n, index in enumerate(indices) if n in chosen]
 
 
-def write_split(source: Source, out_dir: Path, prefix: str, holdout_prefix: str, holdout: float,
-                holdout_seed: int, options: WriteOptions = WriteOptions()
-                ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+def write_split(
+    source: Source,
+    out_dir: Path,
+    prefix: str,
+    holdout_prefix: str,
+    holdout: float,
+    holdout_seed: int,
+    options: WriteOptions = WriteOptions(),
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """Write the source (after `options.limit`) as two disjoint shard sets, `prefix` and a seeded random
     held-out `holdout_prefix` (see holdout_split); return both sidecars and the skipped images."""
     if prefix == holdout_prefix:

@@ -19,8 +19,11 @@ from pytorch_lightning.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
 
+from mpp.errors import add_note
 from mpp.model.pixels import to_unit_range
+from mpp.train.optim import log_interval
 from mpp.train.pictures import prediction_panel
+from mpp.train.pretrain import MaskedPatchPretraining
 
 
 class ThroughputMonitor(pl.Callback):
@@ -35,7 +38,9 @@ class ThroughputMonitor(pl.Callback):
         self.started: float | None = None
         self.skipped: torch.Tensor | None = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.started is None:
             self.started = time.perf_counter()
 
@@ -47,7 +52,7 @@ class ThroughputMonitor(pl.Callback):
             if "skipped" in batch:
                 skipped = batch["skipped"].sum()
                 self.skipped = skipped if self.skipped is None else self.skipped + skipped
-        if trainer.global_step % trainer.log_every_n_steps or self.started is None:
+        if trainer.global_step % log_interval(trainer) or self.started is None:
             return
         elapsed = time.perf_counter() - self.started
         if self.images and elapsed > 0:
@@ -55,7 +60,9 @@ class ThroughputMonitor(pl.Callback):
             pl_module.log("train/throughput", rate, on_step=True, on_epoch=False)
         if self.skipped is not None:
             # The running total of this rank, summed over ranks.
-            pl_module.log("data/skipped", self.skipped.float(), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True)
+            pl_module.log(
+                "data/skipped", self.skipped.float(), on_step=True, on_epoch=False, reduce_fx="sum", sync_dist=True
+            )
         self.images, self.started = 0, time.perf_counter()
 
 
@@ -71,9 +78,10 @@ class ProgressBar(TQDMProgressBar):
         super().__init__(refresh_rate=refresh_rate)
         self.shown: dict[str, str] = {}
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step % trainer.log_every_n_steps == 0:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step % log_interval(trainer) == 0:
             self.shown = {
                 name.removeprefix("train/"): f"{float(value):.4g}"
                 for name, value in trainer.callback_metrics.items()
@@ -81,7 +89,9 @@ class ProgressBar(TQDMProgressBar):
             }
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
-    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+    def get_metrics(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> dict[str, int | str | float | dict[str, float]]:
         return {**super().get_metrics(trainer, pl_module), **self.shown}
 
 
@@ -101,7 +111,7 @@ class PredictionPictures(pl.Callback):
         self.max_images = max_images
 
     @torch.no_grad()
-    def draw(self, pl_module: pl.LightningModule, images: torch.Tensor) -> Any:
+    def draw(self, pl_module: MaskedPatchPretraining, images: torch.Tensor) -> Any:
         """(B, C, H, W) raw batch images -> (H', W', 3) uint8 picture of the module's predictions."""
         images = to_unit_range(images[: self.max_images])
         was_training = pl_module.training
@@ -125,6 +135,10 @@ class PredictionPictures(pl.Callback):
         step = trainer.global_step
         if step % self.every_n_steps or not trainer.is_global_zero:
             return
+        if not isinstance(pl_module, MaskedPatchPretraining):
+            raise TypeError(
+                f"PredictionPictures draws masked patch predictions; the module is {type(pl_module).__name__}"
+            )
         picture = self.draw(pl_module, batch["image"] if isinstance(batch, dict) else batch)
         folder = Path(trainer.default_root_dir) / "pictures"
         folder.mkdir(parents=True, exist_ok=True)
@@ -139,8 +153,13 @@ class PredictionPictures(pl.Callback):
                 )
 
 
-_STAGES = {"sanity_check": "the sanity check of the validation set", "train": "training", "validate": "validation",
-           "test": "testing", "predict": "prediction"}
+_STAGES = {
+    "sanity_check": "the sanity check of the validation set",
+    "train": "training",
+    "validate": "validation",
+    "test": "testing",
+    "predict": "prediction",
+}
 
 
 class RankFailure(pl.Callback):
@@ -158,10 +177,12 @@ class RankFailure(pl.Callback):
         if trainer.world_size > 1 and is_collective_timeout(exception):
             running = trainer.state.stage.value if trainer.state.stage is not None else "setup"
             stage = _STAGES.get(running, running)
-            exception.add_note(
+            add_note(
+                exception,
                 f"mpp: rank {trainer.global_rank} timed out waiting for the other ranks during {stage} "
                 f"(global step {trainer.global_step}): one rank is stuck or ran a different number of steps; "
-                "the timeout is trainer.strategy.init_args.timeout")
+                "the timeout is trainer.strategy.init_args.timeout",
+            )
         launcher = trainer.strategy.launcher
         if isinstance(launcher, _SubprocessScriptLauncher):
             launcher.kill(signal.SIGKILL)

@@ -59,9 +59,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     as Lightning writes them, as one object upload that is whole or absent. The hyperparameters
     a checkpoint carries (shard URLs among them) are stored with credentials masked."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
-                        storage_options: Any | None = None) -> None:
-        checkpoint = {key: redact_tree(value) if key in _HYPERPARAMETERS else value for key, value in checkpoint.items()}
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
+        checkpoint = {
+            key: redact_tree(value) if key in _HYPERPARAMETERS else value for key, value in checkpoint.items()
+        }
         protocol = get_filesystem(path).protocol
         local = "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
         if storage_options is not None or not local:
@@ -72,16 +73,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def check_checkpoint(path: Any) -> None:
     """A `--ckpt_path` that is a local file must be one torch can load, or the run stops naming it."""
-    if not isinstance(path, (str, os.PathLike)) or str(path) in ("last", "best", "hpc", "registry") or "://" in str(path):
+    if (
+        not isinstance(path, (str, os.PathLike))
+        or str(path) in ("last", "best", "hpc", "registry")
+        or "://" in str(path)
+    ):
         return
     file = Path(path)
     if not file.exists():
-        raise ConfigError(f"--ckpt_path {file} does not exist; give a .ckpt file, or `last` to resume "
-                          "from the run folder's last checkpoint")
+        raise ConfigError(
+            f"--ckpt_path {file} does not exist; give a .ckpt file, or `last` to resume "
+            "from the run folder's last checkpoint"
+        )
     if file.is_dir():
         raise ConfigError(f"--ckpt_path {file} is a folder; give a .ckpt file in it, or `last`")
     with open(file, "rb") as stream:
         head = stream.read(4)
     if not (zipfile.is_zipfile(file) or head[:1] == b"\x80"):  # torch.save: a zip archive, or a legacy pickle
-        raise ConfigError(f"--ckpt_path {file} is not a checkpoint (a file written by torch.save, such as "
-                          "checkpoints/last.ckpt); give a .ckpt file, or `last`")
+        raise ConfigError(
+            f"--ckpt_path {file} is not a checkpoint (a file written by torch.save, such as "
+            "checkpoints/last.ckpt); give a .ckpt file, or `last`"
+        )

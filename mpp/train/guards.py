@@ -19,6 +19,8 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 
+from mpp.train.optim import log_interval
+
 log = logging.getLogger(__name__)
 
 Policy = Literal["stop", "skip"]
@@ -34,6 +36,9 @@ class LossGuard(nn.Module):
     Args:
         policy: `stop` or `skip` (see the module docstring).
     """
+
+    batches: Tensor  # buffers, registered in __init__
+    first_bad: Tensor
 
     def __init__(self, policy: Policy = "stop") -> None:
         super().__init__()
@@ -51,8 +56,11 @@ class LossGuard(nn.Module):
         if self.policy == "skip":
             if trainer.strategy.reduce_boolean_decision(bool(bad), all=False):
                 self.skipped += 1
-                log.warning("skipped training step %d: the loss was not finite on at least one rank "
-                            "(%d steps skipped so far)", trainer.global_step, self.skipped)
+                log.warning(
+                    "skipped training step %d: the loss was not finite on at least one rank (%d steps skipped so far)",
+                    trainer.global_step,
+                    self.skipped,
+                )
                 return None
             return loss
         self.first_bad.copy_(torch.where(bad & (self.first_bad < 0), self.batches, self.first_bad))
@@ -72,8 +80,12 @@ class LossGuard(nn.Module):
         first = int(self.first_bad)
         if not trainer.strategy.reduce_boolean_decision(first >= 0, all=False):
             return
-        where = (f"first at training batch {first} of this run (near global step "
-                 f"{self.start_step + first // trainer.accumulate_grad_batches})" if first >= 0 else "on another rank")
+        where = (
+            f"first at training batch {first} of this run (near global step "
+            f"{self.start_step + first // trainer.accumulate_grad_batches})"
+            if first >= 0
+            else "on another rank"
+        )
         raise NonFiniteLossError(
             f"the training loss was NaN or infinite, {where}; stopping {when} so that no checkpoint holds "
             "the broken weights (the last checkpoint is from before). Lower optimizer.lr or lengthen "
@@ -90,13 +102,15 @@ class LossGuardCheck(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.guard.start(trainer)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        if trainer.global_step % trainer.log_every_n_steps == 0:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step % log_interval(trainer) == 0:
             self.guard.check(trainer, f"at step {trainer.global_step}")
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self.guard.check(trainer, f"before writing the checkpoint of step {trainer.global_step}")
 

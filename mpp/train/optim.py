@@ -54,7 +54,9 @@ class OptimizerConfig:
         if not 0.0 <= self.final_lr <= self.lr:
             raise ValueError(f"optimizer.final_lr must be in [0, lr], got {self.final_lr}")
         if self.reference_batch_size is not None and self.reference_batch_size < 1:
-            raise ValueError(f"optimizer.reference_batch_size must be positive or null, got {self.reference_batch_size}")
+            raise ValueError(
+                f"optimizer.reference_batch_size must be positive or null, got {self.reference_batch_size}"
+            )
         if self.lr_scaling not in ("linear", "sqrt"):
             raise ValueError(f"optimizer.lr_scaling must be linear or sqrt, got {self.lr_scaling!r}")
 
@@ -63,8 +65,10 @@ class OptimizerConfig:
         if self.reference_batch_size is None:
             return 1.0
         if global_batch_size is None:
-            raise ValueError("optimizer.reference_batch_size is set but the run's global batch is unknown: "
-                             "the data module must have a batch_size (ShardDataModule has)")
+            raise ValueError(
+                "optimizer.reference_batch_size is set but the run's global batch is unknown: "
+                "the data module must have a batch_size (ShardDataModule has)"
+            )
         ratio = global_batch_size / self.reference_batch_size
         return ratio if self.lr_scaling == "linear" else math.sqrt(ratio)
 
@@ -106,13 +110,18 @@ def global_batch_size(trainer: pl.Trainer, data: object | None = None) -> int | 
     `data` is the run's data module where the trainer does not hold it yet (Lightning attaches it
     only once `fit` has started).
     """
-    batch = getattr(data if data is not None else trainer.datamodule, "batch_size", None)
+    batch = getattr(data if data is not None else getattr(trainer, "datamodule", None), "batch_size", None)
     return None if batch is None else trainer.world_size * batch * trainer.accumulate_grad_batches
+
+
+def log_interval(trainer: pl.Trainer) -> int:
+    """`trainer.log_every_n_steps`, at least 1 (Lightning sets it on the trainer at run time, undeclared)."""
+    return max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
 
 
 def logging_step(trainer: pl.Trainer) -> bool:
     """Whether the training step now running is one whose metrics go to the loggers."""
-    return (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
+    return (trainer.global_step + 1) % log_interval(trainer) == 0
 
 
 def log_nothing(module: pl.LightningModule, stage: str, names: list[str]) -> None:
@@ -123,8 +132,9 @@ def log_nothing(module: pl.LightningModule, stage: str, names: list[str]) -> Non
         module.log(f"{stage}/{name}", zero, prog_bar=True, batch_size=0, sync_dist=True)
 
 
-def configure_optimizer(model: nn.Module, config: OptimizerConfig, total_steps: int,
-                        global_batch: int | None = None) -> dict[str, Any]:
+def configure_optimizer(
+    model: nn.Module, config: OptimizerConfig, total_steps: int, global_batch: int | None = None
+) -> dict[str, Any]:
     """The optimiser and its per-step schedule, in the form `configure_optimizers` returns.
 
     `global_batch` scales the learning rate where the config names a reference batch size.

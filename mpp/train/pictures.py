@@ -20,7 +20,9 @@ from mpp.model.targets import TargetConfig, class_colours
 from mpp.model.vit import pick
 
 
-def target_patches(values: Tensor, target: TargetConfig, patch_size: tuple[int, int], channels: int, reference: Tensor) -> Tensor:
+def target_patches(
+    values: Tensor, target: TargetConfig, patch_size: tuple[int, int], channels: int, reference: Tensor
+) -> Tensor:
     """(B, M, ...) predictions as classes/pixels -> (B, M, P_h·P_w·C) pixels that show them.
 
     `reference` (B, M, P_h·P_w·C) is the true patches, used to undo per-patch pixel normalisation.
@@ -82,8 +84,15 @@ def prediction_panel(
     panels = [
         images,
         unpatchify(corrupted_input, grid, patch, channels),
-        unpatchify(dimmed.scatter(1, index, target_patches(predictions, target, patch, channels, chosen)), grid, patch, channels),
-        unpatchify(dimmed.scatter(1, index, target_patches(truth, target, patch, channels, chosen)), grid, patch, channels),
+        unpatchify(
+            dimmed.scatter(1, index, target_patches(predictions, target, patch, channels, chosen)),
+            grid,
+            patch,
+            channels,
+        ),
+        unpatchify(
+            dimmed.scatter(1, index, target_patches(truth, target, patch, channels, chosen)), grid, patch, channels
+        ),
     ]
     if channels == 1:
         panels = [panel.expand(-1, 3, -1, -1) for panel in panels]

@@ -7,26 +7,18 @@ shards -> batch -> targets (raw pixels) -> normalise -> embed patches -> corrupt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import pytorch_lightning as pl
 import torch
 from torch import Tensor, nn
 
 from mpp.model.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
-from mpp.model.pixels import Normalise, to_unit_range
+from mpp.model.pixels import to_unit_range
 from mpp.model.targets import TargetConfig, prediction_accuracy, prediction_loss
 from mpp.model.vit import ViT, ViTConfig, pick
-from mpp.train.guards import LossGuard, LossGuardCheck, Policy
-from mpp.train.optim import (
-    OptimizerConfig,
-    configure_optimizer,
-    global_batch_size,
-    log_nothing,
-    logging_step,
-    total_steps,
-)
+from mpp.train.base import EncoderModule, as_config, plain
+from mpp.train.guards import Policy
+from mpp.train.optim import OptimizerConfig
 
 
 class MPPOutput(NamedTuple):
@@ -38,12 +30,7 @@ class MPPOutput(NamedTuple):
     corrupted: CorruptedPatches
 
 
-def as_config(value: Any, cls: type) -> Any:
-    """A config dataclass from itself or from its dict (as checkpoints store it)."""
-    return value if isinstance(value, cls) else cls(**value)
-
-
-class MaskedPatchPretraining(pl.LightningModule):
+class MaskedPatchPretraining(EncoderModule):
     """A ViT encoder pretrained by predicting a target (the 3-bit mean colour) of every
     corrupted patch from that patch's representation.
 
@@ -59,33 +46,28 @@ class MaskedPatchPretraining(pl.LightningModule):
         nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.guards).
     """
 
+    target_counts: Tensor  # a buffer, registered in __init__
+
     def __init__(
         self,
         *,
         encoder: ViTConfig,
         optimizer: OptimizerConfig,
-        corruption: CorruptionConfig = CorruptionConfig(),
-        target: TargetConfig = TargetConfig(),
+        corruption: CorruptionConfig = CorruptionConfig(),  # noqa: B008 (frozen: one shared default is safe)
+        target: TargetConfig = TargetConfig(),  # noqa: B008
         pixel_mean: Sequence[float] = (0.5,),
         pixel_std: Sequence[float] = (0.5,),
         compile: bool = False,
         nonfinite_loss: Policy = "stop",
     ) -> None:
-        super().__init__()
-        self.encoder_config = as_config(encoder, ViTConfig)
-        self.optimizer_config = as_config(optimizer, OptimizerConfig)
-        self.loss_guard = LossGuard(nonfinite_loss)
-        self.corruption = as_config(corruption, CorruptionConfig)
-        self.target = as_config(target, TargetConfig)
-        # Hyperparameters are stored as plain data so that checkpoints load without unpickling
-        # project classes (under the CLI, Lightning stores the parsed config instead).
-        encoder, optimizer = asdict(self.encoder_config), asdict(self.optimizer_config)
-        corruption, target = asdict(self.corruption), asdict(self.target)
+        # Plain data: EncoderModule records this frame's arguments as the hyperparameters.
+        encoder, optimizer = plain(encoder, ViTConfig), plain(optimizer, OptimizerConfig)  # type: ignore[assignment]
+        corruption, target = plain(corruption, CorruptionConfig), plain(target, TargetConfig)  # type: ignore[assignment]
         pixel_mean, pixel_std = list(pixel_mean), list(pixel_std)
-        self.save_hyperparameters()
+        super().__init__(encoder, optimizer, pixel_mean, pixel_std, nonfinite_loss)
+        self.corruption, self.target = as_config(corruption, CorruptionConfig), as_config(target, TargetConfig)
+        self.metric_names = ["loss"] if self.target.kind == "pixels" else ["loss", "mpp_accuracy"]
         self.encoder = ViT(self.encoder_config)
-        self.normalise = Normalise(mean=pixel_mean, std=pixel_std)
-        self.normalise.check_channels(self.encoder_config.channels)
         self.mask_token = nn.Parameter(torch.empty(self.encoder_config.dim))
         nn.init.normal_(self.mask_token, std=0.02)
         patch_size, channels = self.encoder_config.patch_size, self.encoder_config.channels
@@ -96,8 +78,7 @@ class MaskedPatchPretraining(pl.LightningModule):
         nn.init.zeros_(self.head.bias)
         # Evaluation tally of target classes, for the majority-class baseline.
         self.register_buffer("target_counts", torch.zeros(self.outputs, dtype=torch.long), persistent=False)
-        if compile:
-            self.compile()  # in place: parameter names, and so checkpoints, stay those of the eager module
+        self.compile_if(compile)
 
     def targets(self, images: Tensor) -> Tensor:
         """(B, C, H, W) in [0, 1] -> (B, N, ...) the target of every patch."""
@@ -122,38 +103,20 @@ class MaskedPatchPretraining(pl.LightningModule):
 
     def loss(self, images: Tensor) -> Tensor:
         """(B, C, H, W) uint8 or [0, 1] images -> the MPP loss of one draw of corruption."""
+        return self._scored(images)[0]
+
+    def _scored(self, images: Tensor) -> tuple[Tensor, MPPOutput]:
         output = self(to_unit_range(images))
-        return prediction_loss(output.predictions, output.targets)
+        return prediction_loss(output.predictions, output.targets), output
 
-    def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor | None:
-        images = batch["image"] if isinstance(batch, dict) else batch
-        if images.shape[0] == 0:  # a rank in step with those still evaluating (mpp.data.loader)
-            names = ["loss"] if self.target.kind == "pixels" else ["loss", "mpp_accuracy"]
-            log_nothing(self, stage, names)
-            return None
-        output = self(to_unit_range(images))
-        loss = prediction_loss(output.predictions, output.targets)
-        batch_size = images.shape[0]
-        # No prog_bar in training: Lightning reads progress-bar values on the host every step.
-        evaluating = stage != "train"
-        self.log(f"{stage}/loss", loss, prog_bar=evaluating, batch_size=batch_size, sync_dist=evaluating)
-        if not output.targets.is_floating_point():
-            accuracy = prediction_accuracy(output.predictions, output.targets)
-            self.log(f"{stage}/mpp_accuracy", accuracy, prog_bar=evaluating, batch_size=batch_size, sync_dist=evaluating)
-            if evaluating:
-                self.target_counts += torch.bincount(output.targets.flatten(), minlength=self.outputs)
-        if stage == "train" and logging_step(self.trainer):
-            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=batch_size)
-        return loss
-
-    def training_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
-        return self.loss_guard(self._step(batch, "train"), self.trainer)
-
-    def validation_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
-        return self._step(batch, "val")
-
-    def test_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
-        return self._step(batch, "test")
+    def metrics(self, batch: dict[str, Tensor] | Tensor, stage: str) -> dict[str, Tensor]:
+        """The loss, and for class targets the accuracy, of one draw of corruption of the batch's images."""
+        loss, output = self._scored(batch["image"] if isinstance(batch, dict) else batch)
+        if output.targets.is_floating_point():
+            return {"loss": loss}
+        if stage != "train":
+            self.target_counts += torch.bincount(output.targets.flatten(), minlength=self.outputs)
+        return {"loss": loss, "mpp_accuracy": prediction_accuracy(output.predictions, output.targets)}
 
     def on_validation_epoch_start(self) -> None:
         self.target_counts.zero_()
@@ -172,14 +135,3 @@ class MaskedPatchPretraining(pl.LightningModule):
         if counts.sum() > 0:
             # The same on every rank, reduced already: sync_dist only says so to Lightning.
             self.log(f"{stage}/majority_accuracy", counts.max() / counts.sum(), sync_dist=True)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        return configure_optimizer(self, self.optimizer_config, total_steps(self.trainer),
-                                   global_batch_size(self.trainer))
-
-    def configure_callbacks(self) -> list[pl.Callback]:
-        return [LossGuardCheck(self.loss_guard)]
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Fine-tuning rebuilds the encoder from this alone.
-        checkpoint["encoder_config"] = asdict(self.encoder_config)

@@ -23,5 +23,8 @@ class BlockFSDPStrategy(FSDPStrategy):
     """
 
     def __init__(self, *, activation_checkpointing: bool = False, **kwargs: Any) -> None:
-        super().__init__(auto_wrap_policy={Block},
-                         activation_checkpointing_policy={Block} if activation_checkpointing else None, **kwargs)
+        super().__init__(
+            auto_wrap_policy={Block},
+            activation_checkpointing_policy={Block} if activation_checkpointing else None,
+            **kwargs,
+        )

@@ -94,7 +94,7 @@ def checkpoint_to_resume(config: Any) -> str | None:
         for path in fs.ls(folder, detail=False) if fs.exists(folder) else []:
             if Path(path).suffix == ModelCheckpoint.FILE_EXTENSION and re.match(last, Path(path).stem):
                 found[fs.unstrip_protocol(path) if "://" in str(folder) else path] = fs.modified(path).timestamp()
-    return max(found, key=found.get) if found else None
+    return max(found, key=lambda path: found[path]) if found else None
 
 
 def run_id_in_checkpoint(path: str) -> str | None:
@@ -164,11 +164,15 @@ class WandbRunCheckpoint(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run.id if self.run is not None else None}
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self.wait_until_written()
         self.unwritten = True
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.unwritten:
             self.wait_until_written()
 
@@ -191,8 +195,10 @@ class WandbRunCheckpoint(pl.Callback):
         deadline = time.monotonic() + self.timeout + 2 * self.flush_interval()
         while self.records.last_step() < logged:
             if time.monotonic() > deadline:
-                log.warning(f"mpp: W&B wrote no records to {self.records.path} in time; a killed run may lose them "
-                            "since its last write (mpp waits at checkpoints no more)")
+                log.warning(
+                    f"mpp: W&B wrote no records to {self.records.path} in time; a killed run may lose them "
+                    "since its last write (mpp waits at checkpoints no more)"
+                )
                 self.records = None
                 return
             time.sleep(0.02)

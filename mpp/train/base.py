@@ -1,0 +1,89 @@
+"""EncoderModule: the plumbing MaskedPatchPretraining and ImageClassifier share; each adds its `metrics`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import pytorch_lightning as pl
+from torch import Tensor
+
+from mpp.model.pixels import Normalise
+from mpp.model.vit import ViTConfig
+from mpp.train import optim
+from mpp.train.guards import LossGuard, LossGuardCheck, Policy
+
+
+def as_config(value: Any, cls: type[Any]) -> Any:
+    """A config dataclass from itself or from its dict (as checkpoints store it)."""
+    return value if isinstance(value, cls) else cls(**value)
+
+
+def plain(value: Any, cls: type[Any]) -> dict[str, Any]:
+    """A config dataclass, or its dict, as the complete dict of its fields (as checkpoints store it)."""
+    return asdict(as_config(value, cls))
+
+
+class EncoderModule(pl.LightningModule):
+    """A ViT encoder's training plumbing; a subclass gives the `metrics` of a batch, `loss` among them."""
+
+    metric_names: list[str]  # the keys of `metrics`
+
+    def __init__(
+        self, encoder: Any, optimizer: Any, mean: Sequence[float], std: Sequence[float], nonfinite_loss: Policy
+    ) -> None:
+        super().__init__()
+        self.encoder_config = as_config(encoder, ViTConfig)
+        self.optimizer_config = as_config(optimizer, optim.OptimizerConfig)
+        self.loss_guard = LossGuard(nonfinite_loss)
+        # Records the arguments of the caller, the subclass's __init__, which made them plain data (`plain`,
+        # lists) so that checkpoints load without unpickling project classes; under the CLI, Lightning
+        # stores the parsed config instead.
+        self.save_hyperparameters(frame=sys._getframe(1))
+        self.normalise = Normalise(mean=mean, std=std)
+        self.normalise.check_channels(self.encoder_config.channels)
+
+    def compile_if(self, compile: bool) -> None:
+        """Compile `forward` with torch.compile if asked, once the subclass has built every layer."""
+        if compile:
+            self.compile()  # in place: parameter names, and so checkpoints, stay those of the eager module
+
+    def metrics(self, batch: Any, stage: str) -> dict[str, Tensor]:
+        """The `metric_names` of one batch of at least one sample."""
+        raise NotImplementedError
+
+    def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor | None:
+        size = (batch["image"] if isinstance(batch, dict) else batch).shape[0]
+        if size == 0:  # a rank in step with those still evaluating (mpp.data.loader)
+            optim.log_nothing(self, stage, self.metric_names)
+            return None
+        metrics = self.metrics(batch, stage)
+        # No prog_bar in training: Lightning reads progress-bar values on the host every step.
+        evaluating = stage != "train"
+        for name, value in metrics.items():
+            self.log(f"{stage}/{name}", value, prog_bar=evaluating, batch_size=size, sync_dist=evaluating)
+        if stage == "train" and optim.logging_step(self.trainer):
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=size)
+        return metrics["loss"]
+
+    def training_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
+        return self.loss_guard(self._step(batch, "train"), self.trainer)
+
+    def validation_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
+        return self._step(batch, "val")
+
+    def test_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
+        return self._step(batch, "test")
+
+    def configure_optimizers(self) -> Any:  # a dict, which Lightning's union of return types does not name
+        batch = optim.global_batch_size(self.trainer)
+        return optim.configure_optimizer(self, self.optimizer_config, optim.total_steps(self.trainer), batch)
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [LossGuardCheck(self.loss_guard)]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Fine-tuning and few-shot evaluation rebuild the encoder (at this module's image size) from this alone.
+        checkpoint["encoder_config"] = asdict(self.encoder_config)
