@@ -11,13 +11,11 @@ mapping in a config can start from another file with `__base__` (mpp.config).
 from __future__ import annotations
 
 import logging
-import netrc
 import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -43,38 +41,13 @@ from mpp.train.checkpoint_io import AtomicCheckpointIO, check_checkpoint
 from mpp.train.optim import global_batch_size
 from mpp.train.wandb_run import (
     WandbRunCheckpoint,
+    choose_wandb_mode,
     continue_checkpointed_run,
     flush_records_often,
+    keep_arguments_out_of_wandb,
 )
 
 log = logging.getLogger("mpp")
-
-
-def wandb_has_credentials() -> bool:
-    """Whether W&B could log in: an API key in the environment or in the netrc file."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
-    try:
-        return netrc.netrc(path).authenticators(host or "") is not None
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return False
-
-
-def keep_arguments_out_of_wandb(argv: list[str]) -> None:
-    """W&B records the command line with a run's metadata; where it holds a credential (a signed
-    shard URL, a password), leave the metadata out (its one switch, WANDB_X_DISABLE_META)."""
-    if any(redact(arg) != arg for arg in argv):
-        os.environ.setdefault("WANDB_X_DISABLE_META", "true")
-        log.info("mpp: the command line holds credentials: W&B records no system metadata for this run")
-
-
-def choose_wandb_mode() -> str:
-    """Run W&B offline unless the user chose a mode or has credentials; returns the mode."""
-    if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
-        os.environ["WANDB_MODE"] = "offline"
-    return os.environ.get("WANDB_MODE", "online")
 
 
 class LoggedConfig(SaveConfigCallback):

@@ -7,17 +7,16 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 from bench_gpu import training_flops
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+from workspace import ROOT
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 RATIO = r"(\d+\.\d+)x"
 
 

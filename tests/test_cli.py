@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from workspace import ROOT, environment
 
 from mpp.cli import main
 from mpp.eval.records import config as wandb_config
 from mpp.eval.records import history
 
-ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "pretrain" / "demo.yaml"
 QUICK = [
     "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.limit_val_batches", "2",
@@ -37,8 +37,7 @@ def print_config(*args: str) -> str:
 
 def mpp(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
     """The console script in a subprocess, offline, with its run under `run_dir`."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    env.pop("WANDB_API_KEY", None)
+    env = environment()
     command = [sys.executable, "-m", "mpp.cli", *args, "--trainer.default_root_dir", str(run_dir)]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 from PIL import Image
-
-ROOT = Path(__file__).resolve().parents[1]
+from workspace import ROOT, environment
 
 
 def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = environment()
     result = subprocess.run(
         [sys.executable, "tools/compare.py", "--pretrain-steps", "2", "--steps", "3", "--out", str(tmp_path),
          "--train", "shards/fashion-mnist/train-000000.tar", "--shots", "1", "5"],

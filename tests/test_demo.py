@@ -5,21 +5,18 @@ About four minutes on two CPU cores, so it is marked slow: `make test-slow`.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from workspace import ROOT, environment
 
 from mpp.eval.records import history
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_demo_pretraining_beats_the_majority_class(tmp_path):
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = environment()
     result = subprocess.run(
         [sys.executable, "-m", "mpp.cli", "fit", "--config", "configs/pretrain/demo.yaml",
          "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],

@@ -208,7 +208,15 @@ def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> 
         assert "(500 train / 200 test images" in result.stdout and re.search(r"^\| 25 \| \d+\.\d%", result.stdout, re.M)
 
 
-@pytest.mark.parametrize("tool", sorted(p.name for p in (ROOT / "tools").glob("*.py")))
+TOOLS_RUN = sorted(p.name for p in (ROOT / "tools").glob("*.py") if "__main__" in p.read_text())
+
+
+def test_the_tools_folder_holds_tools_and_their_one_kit() -> None:
+    """Every file in tools/ is a script a user runs, but benchkit.py, which the benchmarks share."""
+    assert sorted(p.name for p in (ROOT / "tools").glob("*.py")) == sorted([*TOOLS_RUN, "benchkit.py"])
+
+
+@pytest.mark.parametrize("tool", TOOLS_RUN)
 def test_every_tool_says_how_to_use_it(tool: str, tmp_path: Path) -> None:
     result, _ = run([sys.executable, str(ROOT / "tools" / tool), "--help"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]

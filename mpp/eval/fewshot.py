@@ -20,6 +20,31 @@ from mpp.model.vit import ViT
 
 
 @torch.no_grad()
+def fewshot_data(
+    train: ShardSpec,
+    test: ShardSpec,
+    *,
+    batch_size: int,
+    num_workers: int,
+    eval_crop_fraction: float,
+    image_size: int | tuple[int, int] | None = None,
+    channels: int | None = None,
+) -> ShardDataModule:
+    """The labelled shards of a few-shot evaluation; `train` is read as the `val` split (evaluation
+    transform, shard order), so both are read the same way."""
+    return ShardDataModule(
+        val=train,
+        test=test,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        image_size=image_size,
+        channels=channels,
+        eval_crop_fraction=eval_crop_fraction,
+        shard_shuffle=False,
+        shuffle_buffer=0,
+    )
+
+
 def extract_features(
     encoder: ViT, loader: Iterable[dict[str, Tensor]], *, normalise: nn.Module, device: torch.device | str
 ) -> tuple[Tensor, Tensor]:
@@ -106,17 +131,14 @@ class FewShotEvaluation(pl.Callback):
             )
         self.num_classes, self.shots, self.seeds, self.l2 = num_classes, tuple(shots), seeds, l2
         self.every_n_steps, self.max_train, self.max_test = every_n_steps, max_train, max_test
-        # The few-shot training set is read as the module's `val` split: evaluation transform, in order.
-        self.data = ShardDataModule(
-            val=train,
-            test=test,
+        self.data = fewshot_data(
+            train,
+            test,
             batch_size=batch_size,
             num_workers=num_workers,
+            eval_crop_fraction=eval_crop_fraction,
             image_size=image_size,
             channels=channels,
-            eval_crop_fraction=eval_crop_fraction,
-            shard_shuffle=False,
-            shuffle_buffer=0,
         )
         self.last_step: int | None = None
         self.history: dict[int, dict[int, float]] = {}
@@ -205,14 +227,8 @@ def evaluate_checkpoint(
         encoder.resize_positions(image_size)
     encoder.to(device)
     normalise.to(device)
-    data = ShardDataModule(
-        val=train,
-        test=test,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        eval_crop_fraction=eval_crop_fraction,
-        shard_shuffle=False,
-        shuffle_buffer=0,
+    data = fewshot_data(
+        train, test, batch_size=batch_size, num_workers=num_workers, eval_crop_fraction=eval_crop_fraction
     )
     data.setup(rank=0, world_size=1, encoder=encoder.config)  # the images take the encoder's size and channels
     features, labels = extract_features(

@@ -7,7 +7,7 @@ sample of a PNG and a .cls, more than decoding a 28 px PNG (~35 us), where this 
 ~15 us. They end a tar cut at a header, or at a zeroed or garbled header, as if it were
 complete, losing the rest unnoticed; they yield the members of a sample stored apart as
 several samples, and refuse a key written twice in a row (the cases of
-tests/test_foreign_shards.py and tests/test_fuzz.py); importing them loads torch.
+tests/shards/test_foreign_shards.py and tests/shards/test_fuzz.py); importing them loads torch.
 
 This reader handles what shard writers emit (ustar, GNU long names, pax path/size records).
 A gzip-compressed tar (.tar.gz, .tgz) is recognised by its first bytes, whatever its name,

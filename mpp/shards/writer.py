@@ -3,7 +3,7 @@
 Kept over webdataset's ShardWriter: its shards pass the byte limit (130 KiB at 20 KiB); an interrupted one looks whole.
 
 webdataset.ShardWriter checks its maxsize against the member bytes written so far, before the
-next sample, so a shard passes it by headers, padding and a sample (tests/test_shards.py's
+next sample, so a shard passes it by headers, padding and a sample (tests/shards/test_shards.py's
 shard_bytes test fails); closing it on an exception ends the partial shard as a sound tar under
 its final name (the interrupted-run test fails), and with nothing to write it leaves an empty
 shard. Its TarWriter, given mtime=0, mode 0o644 and no user or group, writes the bytes tarfile

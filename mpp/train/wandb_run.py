@@ -26,16 +26,21 @@ of them (`wandb/offline-run-*`) uploads them as one run, in order of start time,
 the steps of the last. The steps a killed run took after its last checkpoint are taken again
 after the resume: both attempts' rows stay (a W&B history only grows), each under the
 `trainer/global_step` it was logged at.
+
+Offline unless W&B could log in (`choose_wandb_mode`), and without the command line in the
+run's metadata where that holds a credential (`keep_arguments_out_of_wandb`).
 """
 
 from __future__ import annotations
 
 import logging
+import netrc
 import os
 import re
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytorch_lightning as pl
 import torch
@@ -44,6 +49,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
 
 from mpp.eval.records import FILE_HEADER, read_records
+from mpp.secrets import redact
 
 log = logging.getLogger("mpp")
 
@@ -202,3 +208,30 @@ class WandbRunCheckpoint(pl.Callback):
                 self.records = None
                 return
             time.sleep(0.02)
+
+
+def wandb_has_credentials() -> bool:
+    """Whether W&B could log in: an API key in the environment or in the netrc file."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host or "") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def keep_arguments_out_of_wandb(argv: list[str]) -> None:
+    """W&B records the command line with a run's metadata; where it holds a credential (a signed
+    shard URL, a password), leave the metadata out (its one switch, WANDB_X_DISABLE_META)."""
+    if any(redact(arg) != arg for arg in argv):
+        os.environ.setdefault("WANDB_X_DISABLE_META", "true")
+        log.info("mpp: the command line holds credentials: W&B records no system metadata for this run")
+
+
+def choose_wandb_mode() -> str:
+    """Run W&B offline unless the user chose a mode or has credentials; returns the mode."""
+    if "WANDB_MODE" not in os.environ and not wandb_has_credentials():
+        os.environ["WANDB_MODE"] = "offline"
+    return os.environ.get("WANDB_MODE", "online")

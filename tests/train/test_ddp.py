@@ -9,7 +9,6 @@ and the metrics must still count each sample once: the 2-rank test accuracy equa
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,9 +17,8 @@ from pathlib import Path
 import pytest
 from probes import records
 from shardkit import sample, write_shard
+from workspace import ROOT, environment
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).parent
 DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
 
 
@@ -41,9 +39,7 @@ def labelled_shards(folder: Path, prefix: str, sizes: list[int], *, first: int =
 
 
 def mpp(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    env.pop("WANDB_API_KEY", None)
+    env = environment()
     return subprocess.run([sys.executable, "-m", "mpp.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -4,7 +4,6 @@ positions to a new image size, trains and reports per-class accuracy, and runs f
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
 import subprocess
 import sys
@@ -15,11 +14,11 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
+from workspace import ROOT, environment
 
 from mpp import ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViTConfig
 from mpp.model.checkpoint import load_encoder
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ViTConfig(image_size=28, patch_size=4, channels=1, dim=32, depth=2, heads=2, mlp_dim=64)
 SGD = OptimizerConfig(name="sgd", lr=0.03, warmup_steps=2)
 
@@ -202,8 +201,7 @@ def test_demo_configs_fit_from_the_command_line(tmp_path, arm):
         demo = ViTConfig(image_size=28, patch_size=4, channels=1, dim=128, depth=4, heads=4, mlp_dim=512)
         pretraining_checkpoint(tmp_path / "mpp.ckpt", demo)
         overrides = ["--model.init_args.pretrained", str(tmp_path / "mpp.ckpt")]
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    env.pop("WANDB_API_KEY", None)
+    env = environment()
     command = [
         sys.executable, "-m", "mpp.cli", "fit", "--config", f"configs/{arm}/demo.yaml", *overrides,
         "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",

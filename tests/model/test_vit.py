@@ -1,16 +1,16 @@
 """The encoder: parameter counts, patchify, attention, positions and their resize."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from einops import rearrange
+from workspace import ROOT
 
 from mpp import ViT, ViTConfig, patchify
 
-PRESETS = Path(__file__).parents[1] / "configs" / "model"
+PRESETS = ROOT / "configs" / "model"
 
 
 def preset(name: str, **overrides) -> ViTConfig:

@@ -25,13 +25,13 @@ from typing import TypeVar
 import pytest
 from PIL import Image
 from shardkit import colour, encode, read_all, sample, write_shard
+from workspace import ROOT
 
 from mpp.data.module import ShardDataModule
 from mpp.data.remote import ShardOpenError
 from mpp.shards.inspector import inspect_shards
 from mpp.shards.tar import MemberOrderError, iter_samples
 
-ROOT = Path(__file__).resolve().parents[1]
 COUNT = 6
 KEYS = [f"sample{i:06d}" for i in range(COUNT)]
 REMEDY = "Rewrite the tar with `tar --sort=name` (GNU tar >= 1.28) or with tools/make_shards.py"

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from workspace import ROOT
 
 from mpp.shards.format import ShardError
 from mpp.shards.images import IMAGE_EXTENSIONS, is_16bit, to_8bit
@@ -39,7 +40,6 @@ from mpp.shards.writer import (
     write_split,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 QUIET = WriteOptions(progress=False)
 
 

@@ -16,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 from shardkit import encode, write_shard
+from workspace import ROOT
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViTConfig
 from mpp.eval.fewshot import (
@@ -24,8 +25,6 @@ from mpp.eval.fewshot import (
     evaluate_checkpoint,
 )
 from mpp.eval.linear import fewshot_accuracy, fewshot_evaluation, pick_shots
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def fewshot_tool():

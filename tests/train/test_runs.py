@@ -14,6 +14,7 @@ import torch
 import yaml
 from probes import digest, records
 from shardkit import write_shards
+from workspace import TESTS
 
 from mpp.eval.records import (
     FILE_HEADER,
@@ -25,7 +26,6 @@ from mpp.eval.records import (
 from mpp.eval.records import records as wandb_records
 from mpp.train.optim import warmup_cosine
 
-TESTS = Path(__file__).parent
 PER_SHARD = 6
 
 
