@@ -16,6 +16,8 @@ import torch
 import webdataset
 from PIL import Image
 
+from mpp.shards.format import shard_name, shard_pattern
+
 
 def colour(index: int) -> tuple[int, int, int]:
     return (index % 256, index // 256, 200)
@@ -57,8 +59,8 @@ def write_shards(folder: Path, *, shards: int, per_shard: int, prefix: str = "tr
     folder.mkdir(parents=True, exist_ok=True)
     for s in range(shards):
         indices = range(s * per_shard, (s + 1) * per_shard)
-        write_shard(folder / f"{prefix}-{s:06d}.tar", (sample(i, **kw) for i in indices))
-    return str(folder / f"{prefix}-{{000000..{shards - 1:06d}}}.tar")
+        write_shard(folder / shard_name(prefix, s), (sample(i, **kw) for i in indices))
+    return str(folder / shard_pattern(prefix, shards))
 
 
 def decode_index(image: torch.Tensor) -> int:

@@ -102,13 +102,16 @@ def test_printed_config_feeds_back_as_a_config(tmp_path):
     assert yaml.safe_load(printed)["trainer"]["max_steps"] == 7
 
 
-def test_fit_checkpoints_resumes_and_logs_to_wandb(tmp_path):
-    # The demo's callbacks, at intervals this short run reaches.
+def test_fit_checkpoints_validates_and_logs_to_wandb(tmp_path):
+    """The demo's callbacks at intervals this short run reaches, few-shot on fewer images. (Resuming, its
+    step, optimiser and schedule, is tests/train/test_runs.py's, after a SIGKILL.)"""
     callbacks = yaml.safe_load(DEMO.read_text())["trainer"]["callbacks"]
     for callback in callbacks:
         for key in ("every_n_train_steps", "every_n_steps"):
             if key in callback.get("init_args", {}):
                 callback["init_args"][key] = 2
+        if callback["class_path"].endswith("FewShotEvaluation"):
+            callback["init_args"].update(max_train=600, max_test=100)  # room for 25 shots of each of 10 classes
     often = tmp_path / "often.yaml"
     often.write_text(yaml.safe_dump({"trainer": {"callbacks": callbacks}}))
     first = mpp("fit", "--config", str(DEMO), "--config", str(often), *QUICK, "--trainer.max_steps", "4",
@@ -122,17 +125,6 @@ def test_fit_checkpoints_resumes_and_logs_to_wandb(tmp_path):
     assert {"step0000002.ckpt", "step0000004.ckpt", "last.ckpt"} <= {p.name for p in checkpoints.iterdir()}
     saved = torch.load(checkpoints / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 4 and saved["encoder_config"]["patch_size"] == 4
-
-    resumed = mpp(
-        "fit", "--config", str(DEMO), "--config", str(often), *QUICK, "--trainer.max_steps", "6", "--ckpt_path", "last",
-        run_dir=tmp_path,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = torch.load(checkpoints / "last.ckpt", weights_only=True)
-    assert after["global_step"] == 6
-    # The schedule continued where it stopped rather than restarting its warmup.
-    assert after["lr_schedulers"][0]["last_epoch"] == 6
-    assert after["optimizer_states"][0]["state"][0]["step"].item() == 6
 
     validated = mpp("validate", "--config", str(DEMO), *QUICK, "--ckpt_path", str(checkpoints / "last.ckpt"),
                     run_dir=tmp_path)

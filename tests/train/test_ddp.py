@@ -19,6 +19,8 @@ from probes import records
 from shardkit import sample, write_shard
 from workspace import ROOT, environment
 
+from mpp.shards.format import shard_name, shard_pattern
+
 DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
 
 
@@ -33,9 +35,9 @@ def labelled_shards(folder: Path, prefix: str, sizes: list[int], *, first: int =
             record["cls"] = str(i % 10).encode()
             record["__key__"] = f"{prefix}{i:06d}"
             samples.append(record)
-        write_shard(folder / f"{prefix}-{number:06d}.tar", samples)
+        write_shard(folder / shard_name(prefix, number), samples)
         index += size
-    return str(folder / f"{prefix}-{{000000..{len(sizes) - 1:06d}}}.tar")
+    return str(folder / shard_pattern(prefix, len(sizes)))
 
 
 def mpp(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
