@@ -52,6 +52,27 @@ def test_an_old_module_name_warns_with_its_new_one() -> None:
     assert module is importlib.import_module("mpp.train.callbacks")
 
 
+def test_a_saved_config_naming_the_old_class_paths_still_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    from mpp.cli import main
+
+    old = (ROOT / "configs" / "pretrain" / "demo.yaml").read_text()
+    for new, was in [("mpp.train.callbacks.", "mpp.callbacks."), ("mpp.eval.fewshot.", "mpp.fewshot.")]:
+        old = old.replace(new, was)
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / "demo.yaml").write_text(old)
+    shutil.copytree(ROOT / "configs" / "model", tmp_path / "model")  # what its __base__ names
+    monkeypatch.chdir(ROOT)
+    for name in ("mpp.callbacks", "mpp.fewshot"):  # as in a fresh process: the warning comes on first import
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.warns(FutureWarning, match="is now mpp"), pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(tmp_path / "pretrain" / "demo.yaml"), "--print_config"])
+    assert exit_.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "class_path: mpp.callbacks.PredictionPictures" in printed
+    assert "class_path: mpp.fewshot.FewShotEvaluation" in printed
+
+
 @pytest.mark.parametrize("path", ["mpp.shards.write_shards", "mpp.shards.WriteOptions", "mpp.data.ShardSpec",
                                   "mpp.data.EmptyEpochError", "mpp.data.WorkerDiedError"])
 def test_the_packages_that_kept_an_old_module_name_hand_on_its_names(path: str) -> None:
