@@ -145,9 +145,16 @@ def _existing_outputs(out_dir: Path, prefix: str) -> list[Path]:
     return shards + [p for p in [out_dir / sidecar_name(prefix)] if p.exists()]
 
 
+MAX_PREFIX = 80  # a member is `<prefix>_<index>.<ext>`: with room for the index it fits ustar's 100 bytes
+
+
 def _check_prefix(prefix: str) -> None:
     if not re.fullmatch(PREFIX, prefix):
         raise ShardError(f"prefix {prefix!r}: use letters, digits, '_' and '-' (keys must have no '.')")
+    if len(prefix) > MAX_PREFIX:
+        raise ShardError(
+            f"prefix of {len(prefix)} characters: at most {MAX_PREFIX}, so that member names fit a tar header"
+        )
 
 
 def _check_free(out_dir: Path, prefix: str, options: WriteOptions) -> list[Path]:

@@ -33,6 +33,7 @@ from mpp.shards.sources import (
 )
 from mpp.shards.tar import iter_samples
 from mpp.shards.writer import (
+    MAX_PREFIX,
     WriteOptions,
     encode_image,
     holdout_split,
@@ -233,6 +234,18 @@ def test_cifar_pickles(tmp_path: Path) -> None:
     (hundred / "test").write_bytes(pickle.dumps({b"data": batch, b"fine_labels": print}))
     with pytest.raises(ShardError, match="test: not a readable CIFAR pickle"):
         cifar(hundred, "test")  # pickles may only build numpy arrays, not call arbitrary code
+
+
+def test_a_prefix_up_to_the_longest_allowed_writes_readable_shards_and_a_longer_one_is_refused(
+    tmp_path: Path, folder
+) -> None:
+    source = image_folder(folder[0])
+    longest = "p" * MAX_PREFIX
+    write_shards(source, tmp_path / "out", longest, QUIET)
+    _, samples = read_back(tmp_path / "out", longest)
+    assert len(samples) == len(source)
+    with pytest.raises(ShardError, match=f"prefix of {MAX_PREFIX + 1} characters: at most {MAX_PREFIX}"):
+        write_shards(source, tmp_path / "out", longest + "p", QUIET)
 
 
 def test_refuses_to_overwrite_unless_asked(tmp_path: Path, folder) -> None:
