@@ -24,18 +24,13 @@ from omegaconf import OmegaConf
 from mpp.errors import ConfigError
 
 PARSER_MODE = "mpp"  # jsonargparse's name for this way of reading configs
-
-
 BASE_KEY = "__base__"
 
 
 def load_config(text: str) -> Any:
-    """A config's text -> its value: YAML with omegaconf's ${...} interpolations resolved (as parser_mode
-    "omegaconf"), where a mapping's `__base__: <file>` (or a list of files) is read first and the
-    mapping's own keys override it. The path is relative to the config that names it (jsonargparse
-    reads a config from inside its folder). A run config thus names its encoder's size preset, the
-    file that `--model.init_args.encoder <file>` also takes, and adds its own keys:
-    `encoder: {__base__: ../model/vit_b.yaml, image_size: 224, patch_size: 16}`."""
+    """A config's text -> its value, as parser mode "omegaconf" reads it, `__base__` files merged in;
+    a `__base__` path is relative to the config that names it (jsonargparse reads a config from
+    inside its folder, so relative to the working folder here)."""
     return resolved(get_loader("yaml")(text), os.getcwd(), ())
 
 
