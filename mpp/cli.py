@@ -76,9 +76,8 @@ class MPPCLI(LightningCLI):
         flush_records_often()
         if self.subcommand == "fit":  # validate and test log runs of their own
             continue_checkpointed_run(config)
-        if (
-            config.trainer.enable_progress_bar is False
-        ):  # `--trainer.enable_progress_bar false` wins over the config's bar
+        # `--trainer.enable_progress_bar false` wins over the config's bar.
+        if config.trainer.enable_progress_bar is False:
             config.trainer.callbacks = [
                 c for c in config.trainer.callbacks or [] if not getattr(c, "class_path", "").endswith("ProgressBar")
             ]
@@ -127,10 +126,8 @@ def place_run_outputs(config: Any) -> None:
         return
     loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
     for logger in loggers:
-        if getattr(logger, "class_path", "").endswith("WandbLogger") and logger.init_args.get("save_dir") in (
-            None,
-            ".",
-        ):
+        wandb = getattr(logger, "class_path", "").endswith("WandbLogger")
+        if wandb and logger.init_args.get("save_dir") in (None, "."):
             logger.init_args.save_dir = root
     for callback in config.trainer.callbacks or []:
         if (
