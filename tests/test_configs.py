@@ -30,7 +30,8 @@ RUN_CONFIGS = ["pretrain/demo.yaml", "pretrain/vit_b16.yaml", "scratch/demo.yaml
                "finetune/demo.yaml", "finetune/vit_b16.yaml"]
 PRESETS = ["gpu", "ddp", "fsdp"]  # configs/trainer/gpu.yaml, configs/trainer/ddp.yaml, configs/trainer/fsdp.yaml
 # The size preset each run config names (`encoder: {__base__: ../model/<preset>, ...}`).
-PRESET_OF = {name: "vit_demo.yaml" if name.endswith("demo.yaml") else "vit_b.yaml" for name in RUN_CONFIGS}
+PRESET_OF = {name: "configs/model/vit_demo.yaml" if name.endswith("demo.yaml") else "configs/model/vit_b.yaml"
+             for name in RUN_CONFIGS}
 # Size presets; ViT-L and ViT-H (303M and 631M parameters) take minutes a step here: `make test-slow`.
 # (vit_demo.yaml is the demo configs' own, fitted with them above.)
 MODEL_PRESETS = ["configs/model/vit_ti.yaml", "configs/model/vit_s.yaml", "configs/model/vit_b.yaml",
@@ -83,8 +84,8 @@ def test_every_run_config_takes_its_encoder_size_from_the_preset_it_names(name: 
     to itself, so it resolves from a user's own folder with a copy of the configs, and a value on the
     command line still wins over the preset."""
     written = config_of(name)["model"]["init_args"]["encoder"]
-    preset = yaml.safe_load((ROOT / "configs" / "model" / PRESET_OF[name]).read_text())
-    assert written["__base__"] == f"../model/{PRESET_OF[name]}" and not preset.keys() & written.keys()
+    preset = yaml.safe_load((ROOT / PRESET_OF[name]).read_text())
+    assert written["__base__"] == "../model/" + Path(PRESET_OF[name]).name and not preset.keys() & written.keys()
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     monkeypatch.chdir(tmp_path)
     args = ["--config", "configs/trainer/cpu.yaml", "--config", f"configs/{name}"]
