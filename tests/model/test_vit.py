@@ -9,6 +9,7 @@ from einops import rearrange
 from workspace import ROOT
 
 from mpp import ViT, ViTConfig, patchify
+from mpp.model.vit import attend
 
 PRESETS = ROOT / "configs" / "model"
 
@@ -68,6 +69,20 @@ def test_fused_attention_matches_the_textbook_formula():
     weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
     expected = attention.proj(rearrange(weights @ v, "b h t d -> b t (h d)"))
     torch.testing.assert_close(attention(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_attention_on_the_cpu_matches_the_fused_kernel_and_drops_weights():
+    q, k, v = (torch.randn(3, 4, 17, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    explicit = attend(q.bfloat16(), k.bfloat16(), v.bfloat16())  # the explicit product, not the fused kernel
+    assert explicit.dtype == torch.bfloat16
+    torch.testing.assert_close(explicit.float(), fused, rtol=0.02, atol=0.02)
+    # Dropout zeroes attention weights: with p near 1 almost every output is 0; gradients flow.
+    qb = q.bfloat16().requires_grad_()
+    dropped = attend(qb, k.bfloat16(), v.bfloat16(), dropout=0.999)
+    assert (dropped == 0).float().mean() > 0.9
+    attend(qb, k.bfloat16(), v.bfloat16()).float().sum().backward()
+    assert qb.grad is not None and qb.grad.abs().sum() > 0
 
 
 def test_block_is_pre_norm_residual():
