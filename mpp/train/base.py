@@ -8,7 +8,11 @@ from dataclasses import asdict
 from typing import Any
 
 import pytorch_lightning as pl
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from pytorch_lightning.strategies import FSDPStrategy
+from pytorch_lightning.utilities.enums import GradClipAlgorithmType
 from torch import Tensor
+from torch.optim import Optimizer
 
 from mpp.model.pixels import Normalise
 from mpp.model.vit import ViTConfig
@@ -79,7 +83,31 @@ class EncoderModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:  # a dict, which Lightning's union of return types does not name
         batch = optim.global_batch_size(self.trainer)
-        return optim.configure_optimizer(self, self.optimizer_config, optim.total_steps(self.trainer), batch)
+        # No fused optimiser under 16-mixed: it unscales the GradScaler's gradients itself, after clipping.
+        fused = self.trainer.precision != "16-mixed"
+        return optim.configure_optimizer(
+            self, self.optimizer_config, optim.total_steps(self.trainer), batch, fused=fused
+        )
+
+    def configure_gradient_clipping(
+        self, optimizer: Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clip as Lightning does, also where its plugins refuse to.
+
+        Lightning's mixed-precision plugin refuses any fused optimiser (which unscales fp16 gradients
+        itself), bf16 included, where nothing is scaled; its FSDP plugin refuses clipping by norm,
+        which needs the norm over every rank's shards: the root FSDP module computes that one.
+        """
+        if not gradient_clip_val:
+            return
+        algorithm = GradClipAlgorithmType((gradient_clip_algorithm or "norm").lower())
+        plugin = self.trainer.precision_plugin
+        if algorithm == GradClipAlgorithmType.NORM and isinstance(self.trainer.strategy, FSDPStrategy):
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)  # type: ignore[operator,union-attr]
+        elif isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         return [LossGuardCheck(self.loss_guard)]
