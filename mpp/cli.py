@@ -35,6 +35,7 @@ from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.eval.records import run_folders
+from mpp.precision import default_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
 from mpp.train.callbacks import RankFailure
 from mpp.train.checkpoint_io import AtomicCheckpointIO, check_checkpoint
@@ -72,6 +73,9 @@ class MPPCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
+        if config.trainer.precision is None:  # not set: the fastest this machine computes (mpp.precision)
+            config.trainer.precision, why = default_precision(config.trainer.accelerator)
+            self.precision_note = f" (trainer.precision unset: {why})"
         place_run_outputs(config)
         flush_records_often()
         if self.subcommand == "fit":  # validate and test log runs of their own
@@ -111,7 +115,8 @@ class MPPCLI(LightningCLI):
         quiet_wandb(self.trainer.loggers)
 
     def before_fit(self) -> None:
-        self.trainer.print(redact(run_summary(self.trainer, self.model, self.datamodule)))
+        note = getattr(self, "precision_note", "")
+        self.trainer.print(redact(run_summary(self.trainer, self.model, self.datamodule, precision_note=note)))
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:  # other ranks hold placeholder loggers
@@ -137,7 +142,7 @@ def place_run_outputs(config: Any) -> None:
             callback.init_args.dirpath = str(Path(root) / "checkpoints")
 
 
-def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> str:
+def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any, *, precision_note: str = "") -> str:
     """The first lines a user reads: what trains, on what, where, and where the results go."""
     params = sum(p.numel() for p in model.parameters())
     encoder = getattr(model, "encoder_config", None)
@@ -153,7 +158,7 @@ def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> st
         ),
         f"mpp: data train={data.hparams.get('train')} val={data.hparams.get('val')}",
         f"mpp: world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s)), "
-        f"precision {trainer.precision}, max_steps {trainer.max_steps}",
+        f"precision {trainer.precision}{precision_note}, max_steps {trainer.max_steps}",
         *batch_and_lr(trainer, model, data),
         f"mpp: run folder {trainer.default_root_dir}; checkpoints in {', '.join(checkpoint_dirs) or 'none'}",
     ]

@@ -25,6 +25,8 @@ import yaml
 from probes import records
 from workspace import ROOT, console_script, make_workspace, run
 
+from mpp.precision import default_precision
+
 # Pretraining first: the fine-tuning configs read its checkpoints.
 RUN_CONFIGS = ["pretrain/demo.yaml", "pretrain/vit_b16.yaml", "scratch/demo.yaml", "scratch/vit_b16.yaml",
                "finetune/demo.yaml", "finetune/vit_b16.yaml"]
@@ -125,6 +127,9 @@ def test_every_run_config_fits_two_steps_on_the_cpu_preset(fits: dict[str, dict]
     assert match, out[:3000]
     assert (int(match[1]), int(match[2]), int(match[3])) == (total, BATCH, accumulate)
     assert float(match[4]) == pytest.approx(peak, rel=1e-3)
+    # The recipe's precision, else this machine's (the cpu preset names none).
+    precision = config_of(name)["trainer"].get("precision")
+    assert f"precision {precision or default_precision('cpu')[0]}{'' if precision else ' (trainer.precision unset'}" in out
     start, *steps = [r for r in fit["records"] if r["event"] in ("start", "step")]
     assert start["initial_lr"] == pytest.approx([peak, peak]), "the optimiser's peak lr is not the printed one"
     assert len(steps) == 2 * accumulate
