@@ -67,6 +67,11 @@ def argument_parser() -> argparse.ArgumentParser:
         help=f"as data.eval_crop_fraction{DEFAULT}",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--precision",
+        choices=("32-true", "bf16-mixed"),
+        help="of the features (default: what `mpp fit` takes on this device when a config names none)",
+    )
     return parser
 
 
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             num_workers=args.num_workers,
             eval_crop_fraction=args.eval_crop_fraction,
             device=args.device,
+            precision=args.precision,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -17,9 +17,9 @@ from mpp.eval.linear import DEFAULTS, fewshot_evaluation
 from mpp.model.checkpoint import encoder_and_normalisation
 from mpp.model.pixels import to_unit_range
 from mpp.model.vit import ViT
+from mpp.precision import default_precision
 
 
-@torch.no_grad()
 def fewshot_data(
     train: ShardSpec,
     test: ShardSpec,
@@ -45,6 +45,7 @@ def fewshot_data(
     )
 
 
+@torch.no_grad()  # not inference_mode: a compiled encoder has a graph for no_grad already, from validation
 def extract_features(
     encoder: ViT, loader: Iterable[dict[str, Tensor]], *, normalise: nn.Module, device: torch.device | str
 ) -> tuple[Tensor, Tensor]:
@@ -217,11 +218,18 @@ def evaluate_checkpoint(
     num_workers: int = DEFAULTS.num_workers,
     eval_crop_fraction: float = DEFAULTS.eval_crop_fraction,
     device: torch.device | str = "cpu",
+    precision: str | None = None,
 ) -> tuple[dict[int, float], int, int]:
     """Few-shot accuracy of any mpp checkpoint's frozen encoder -> ({n: accuracy}, train count, test count).
 
-    The n-shot examples come from the first `max_train` samples of `train`, in shard order.
+    The n-shot examples come from the first `max_train` samples of `train`, in shard order. The
+    features are computed under bf16 autocast if `precision` is a bf16 one; None: the precision
+    `mpp fit` takes on this device when a config names none (mpp.precision).
     """
+    device_type = torch.device(device).type
+    if precision is None:
+        precision = default_precision(device_type)[0]
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
     encoder, normalise = encoder_and_normalisation(path)
     if image_size is not None:
         encoder.resize_positions(image_size)
@@ -231,12 +239,13 @@ def evaluate_checkpoint(
         train, test, batch_size=batch_size, num_workers=num_workers, eval_crop_fraction=eval_crop_fraction
     )
     data.setup(rank=0, world_size=1, encoder=encoder.config)  # the images take the encoder's size and channels
-    features, labels = extract_features(
-        encoder, limited(data.val_dataloader(), max_train), normalise=normalise, device=device
-    )
-    test_features, test_labels = extract_features(
-        encoder, limited(data.test_dataloader(), max_test), normalise=normalise, device=device
-    )
+    with autocast:
+        features, labels = extract_features(
+            encoder, limited(data.val_dataloader(), max_train), normalise=normalise, device=device
+        )
+        test_features, test_labels = extract_features(
+            encoder, limited(data.test_dataloader(), max_test), normalise=normalise, device=device
+        )
     if labels.min() < 0 or test_labels.min() < 0:
         raise ValueError("the shards hold unlabelled samples; few-shot evaluation needs `.cls` labels")
     num_classes = num_classes or int(max(labels.max(), test_labels.max())) + 1

@@ -18,11 +18,12 @@ from PIL import Image
 from shardkit import encode, write_shard
 from workspace import ROOT
 
-from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViTConfig
+from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
 from mpp.eval.fewshot import (
     DEFAULTS,
     FewShotEvaluation,
     evaluate_checkpoint,
+    extract_features,
 )
 from mpp.eval.linear import fewshot_accuracy, fewshot_evaluation, pick_shots
 
@@ -122,11 +123,23 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # with the callback's own default number of workers
         code = fewshot_tool().main([str(tmp_path / "mpp.ckpt"), "--train", train, "--test", test, "--shots", "1",
-                                    "2", "--seeds", "2", "--max-train", "30", "--max-test", "30"])
+                                    "2", "--seeds", "2", "--max-train", "30", "--max-test", "30",
+                                    "--precision", "32-true"])  # the callback's, under this Trainer
     assert code == 0
     table = out.getvalue()
     assert "| shots | accuracy |" in table and "| 2 | 100.0% |" in table
     assert f"| 1 | {100 * callback.history[5][1]:.1f}% |" in table
+
+
+def test_features_are_extracted_without_a_graph_and_in_the_asked_precision(tmp_path):
+    encoder = ViT(ViTConfig(image_size=16, patch_size=4, dim=32, depth=1, heads=2, mlp_dim=64))
+    batches = [{"image": torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), "label": torch.arange(4)}]
+    features, labels = extract_features(encoder, batches, normalise=torch.nn.Identity(), device="cpu")
+    assert not features.requires_grad and features.dtype == torch.float32 and labels.tolist() == [0, 1, 2, 3]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = extract_features(encoder, batches, normalise=torch.nn.Identity(), device="cpu")
+    assert low.dtype == torch.float32 and not torch.equal(low, features)  # computed in bf16, handed on in float32
+    torch.testing.assert_close(low, features, rtol=0.05, atol=0.05)
 
 
 def test_callback_refuses_a_train_set_too_small_for_its_shots():
