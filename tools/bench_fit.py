@@ -43,6 +43,7 @@ from benchkit import (
     host_line,
     load_run_config,
     quiet_lightning,
+    run_precision,
     write_photo_shards,
 )
 
@@ -120,7 +121,7 @@ def main() -> None:
     encoder = run["model"]["encoder"]
     header = (
         f"{args.setting}: ViT dim {encoder['dim']} depth {encoder['depth']}, {encoder['image_size']} px x "
-        f"{encoder['channels']} ch, batch {batch}, {run['trainer'].get('precision', '32-true')}; shards: "
+        f"{encoder['channels']} ch, batch {batch}, {run_precision(run['trainer'])}; shards: "
         f"{described}, {workers} workers{why}\n{host_line(device, lightning=True)}\n"
         f"{args.steps} steps per fit, timed after step {args.warmup}; {args.repeats} fits per arm alternating; "
         f"{elapsed:.0f} s\n"
