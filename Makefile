@@ -12,7 +12,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 BENCH_VENV  ?= .venv-bench
 BENCH_TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo test test-slow bench test-bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -42,11 +42,15 @@ test-slow: $(VENV)/.installed
 $(BENCH_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -m pip --disable-pip-version-check -q install $(BENCH_TORCH)
-	$(BENCH_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[bench]"
+	$(BENCH_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[bench,gpu-decode,test]"
 	touch $@
 
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python tools/bench_step.py --batch 8 --repeats 5
+
+# The tests that need torchvision (decode="device" on the CPU), in the bench environment.
+test-bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python -m pytest -q -m bench
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) runs

@@ -1,7 +1,7 @@
 """ViT-B/16 masked patch prediction on one GPU: training img/s in bf16-mixed with torch.compile,
 its model-FLOPs utilisation, and end-to-end img/s from local shards next to in-memory batches.
 
-Three arms, alternating (A B C C B A ...), on one model built from configs/pretrain/vit_b16.yaml
+Four arms, alternating (A B C D D C B A ...), on one model built from configs/pretrain/vit_b16.yaml
 (its encoder, optimiser, corruption, target, precision and gradient clipping):
 
     compute     a plain loop of the module's training step on one GPU-resident uint8 batch:
@@ -12,6 +12,9 @@ Three arms, alternating (A B C C B A ...), on one model built from configs/pretr
               in-memory uint8 batches: what Lightning and the host-to-device copy cost.
     fit/shards  the same fit reading ~256 px JPEG shards, written here to a local temporary
               folder, through ShardDataModule (resampled, the config's crop and shuffle buffer).
+    fit/shards (decode=device)  the same with ShardDataModule(decode="device"): the workers read
+              JPEG headers only, the GPU decodes (batched nvjpeg), crops and resizes. It needs
+              torchvision (the gpu-decode extra); without it the arm is skipped, saying so.
 
 torch.compile is the config's `compile: true`: MaskedPatchPretraining compiles itself in place
 (`module.compile()`, inductor, default mode), so its forward (targets, normalisation, patch
@@ -61,10 +64,14 @@ from benchkit import (
 )
 
 from mpp import MaskedPatchPretraining
+from mpp.data.device_decode import torchvision_io
+from mpp.errors import ConfigError
 from mpp.model.pixels import pair
 from mpp.model.vit import ViTConfig
 from mpp.train.optim import OptimizerConfig, configure_optimizer
 
+COMPUTE, FIT_MEM, FIT_SHARDS = "compute (plain loop)", "fit/mem (Lightning)", "fit/shards (Lightning)"
+FIT_DEVICE_DECODE = "fit/shards (decode=device)"
 REFERENCE_GFLOPS = 105.0  # the usual figure for a ViT-B/16 training step at 224 px: 3 x 35 GFLOPs forward
 SMOKE_ENCODER = {"image_size": 32, "patch_size": 8, "channels": 3, "dim": 64, "depth": 2, "heads": 2, "mlp_dim": 128}
 
@@ -140,8 +147,10 @@ def print_summary(
     run: dict[str, Any],
     compiled: str,
     started: float,
+    skipped: str | None,
 ) -> None:
-    """The final block: when, on what, which step, every arm's img/s, FLOPs, MFU, and the verdict."""
+    """The final block: when, on what, which step, every arm's img/s (why the device-decode arm was
+    `skipped`, if it was), FLOPs, MFU, and the verdict."""
     encoder = model.encoder_config
     corrupted = model.corruption.num_corrupted(encoder.num_patches)
     model_flops = training_flops(encoder, corrupted=corrupted, outputs=model.outputs)
@@ -149,7 +158,7 @@ def print_summary(
         encoder, corrupted=corrupted, outputs=model.outputs, last_block_queries=1 + corrupted
     )
     medians = {name: float(np.median([r[0] for r in rates])) for name, rates in results.items()}
-    compute, in_memory, from_shards = medians.values()
+    compute, in_memory, from_shards = medians[COMPUTE], medians[FIT_MEM], medians[FIT_SHARDS]
     on_gpu = torch.cuda.is_available() and not args.smoke
     mfu = compute * model_flops / (args.peak_tflops * 1e12) if on_gpu else None
     ratio = from_shards / in_memory
@@ -175,14 +184,16 @@ def print_summary(
     )
     print(
         f"timing          {args.warmup} warm-up + {args.steps} timed steps per arm, {args.repeats} alternating "
-        f"repeat(s); shard arm: {args.images} JPEGs, {args.workers} workers"
+        f"repeat(s); shard arms: {args.images} JPEGs, {args.workers} workers"
     )
     for name, rates in results.items():
         each = " ".join(f"{r[0]:.1f}" for r in rates)
         print(
-            f"{name:<24}{medians[name]:>10.1f} img/s   (median step {np.median([r[1] for r in rates]):.1f}; "
+            f"{name:<28}{medians[name]:>10.1f} img/s   (median step {np.median([r[1] for r in rates]):.1f}; "
             f"runs {each})"
         )
+    if skipped is not None:
+        print(f"{FIT_DEVICE_DECODE:<28}skipped: {skipped}")
     print(
         f"FLOPs / image   {model_flops / 1e9:.4g} G counted (model), {executed_flops / 1e9:.4g} G executed "
         f"(last block's skip); reference {REFERENCE_GFLOPS:.0f} G for ViT-B/16"
@@ -197,6 +208,12 @@ def print_summary(
         print("MFU             - (CPU: no MFU target)")
     print(f"Lightning       fit/mem / compute = {in_memory / compute:.3f}x")
     print(f"wall time       {time.perf_counter() - started:.0f} s")
+    if FIT_DEVICE_DECODE in medians:
+        on_device = medians[FIT_DEVICE_DECODE] / in_memory
+        print(
+            f"ratio shards (decode=device) / in-memory fit: {on_device:.3f}x "
+            f"({'meets' if on_device >= SHARD_TARGET else 'MISSES'} the target >= {SHARD_TARGET:.2f}x)"
+        )
     verdict = "meets" if ratio >= SHARD_TARGET else "MISSES"
     print(
         f"ratio shards / in-memory fit: {ratio:.3f}x ({verdict} the target >= {SHARD_TARGET:.2f}x); "
@@ -253,21 +270,28 @@ def main() -> None:
         shards = write_photo_shards(
             Path(tmp), images=args.images, per_shard=max(16, args.images // 32), side=40 if args.smoke else 256
         )
-        arms = {"compute (plain loop)": compute_arm(model, run, batch=args.batch, steps=args.steps, warmup=args.warmup)}
-        fits = fit_arms(
-            model,
-            run,
-            shards=shards,
-            batch=args.batch,
-            workers=args.workers,
-            steps=args.warmup + args.steps,
-            warmup=args.warmup,
-        )
-        arms["fit/mem (Lightning)"] = fits["synthetic (in memory)"]
-        arms["fit/shards (Lightning)"] = fits["shards (ShardDataModule)"]
+        arms = {COMPUTE: compute_arm(model, run, batch=args.batch, steps=args.steps, warmup=args.warmup)}
+        fit_options: dict[str, Any] = {
+            "shards": shards,
+            "batch": args.batch,
+            "workers": args.workers,
+            "steps": args.warmup + args.steps,
+            "warmup": args.warmup,
+        }
+        fits = fit_arms(model, run, **fit_options)
+        arms[FIT_MEM] = fits["synthetic (in memory)"]
+        arms[FIT_SHARDS] = fits["shards (ShardDataModule)"]
+        skipped = None
+        try:
+            torchvision_io()
+        except ConfigError as error:
+            skipped = str(error)
+        else:
+            device_fits = fit_arms(model, run, **fit_options, data={"decode": "device"})
+            arms[FIT_DEVICE_DECODE] = device_fits["shards (ShardDataModule)"]
         results = alternate(arms, args.repeats)
 
-    print_summary(results, model, args=args, run=run, compiled=compiled, started=started)
+    print_summary(results, model, args=args, run=run, compiled=compiled, started=started, skipped=skipped)
 
 
 if __name__ == "__main__":

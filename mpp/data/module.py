@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import pytorch_lightning as pl
+import torch
 
+from mpp.data.device_decode import finish_on_device, torchvision_io
 from mpp.data.loader import ShardLoader
-from mpp.data.stream import ShardStream
+from mpp.data.stream import Decode, ShardStream
 from mpp.data.transforms import ImageTransform
 from mpp.data.urls import expand_urls
 from mpp.errors import ConfigError
@@ -85,6 +88,12 @@ class ShardDataModule(pl.LightningDataModule):
         max_image_pixels: an image whose header declares more pixels is skipped (and counted)
             without being decoded. The default is PIL's Image.MAX_IMAGE_PIXELS default, about
             0.25 GiB of RGB; PIL itself still refuses images over twice its own limit.
+        decode: "cpu": JPEGs are decoded in the DataLoader workers. "device": the workers read a
+            JPEG's header only and draw its crop and flip (those of "cpu" for the same seed); the
+            batch's JPEGs are decoded, cropped and resized on the device it moves to (batched nvjpeg
+            on a GPU; one that fails there, on the CPU). Pixels equal "cpu"'s but for nvjpeg's own
+            rounding and crops of twice image_size or more, which "cpu" decodes at reduced scale
+            (mpp.data.device_decode). Needs torchvision: the `gpu-decode` extra.
 
     Rank and world size come from the trainer in setup(), or from setup(rank=, world_size=).
     The epoch that reseeds shard order comes from trainer.current_epoch, or set_epoch(). A
@@ -115,6 +124,7 @@ class ShardDataModule(pl.LightningDataModule):
         seed: int = 0,
         allow_pipe: bool = False,
         max_image_pixels: int = DEFAULT_MAX_PIXELS,
+        decode: Decode = "cpu",
     ) -> None:
         settings = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         super().__init__()
@@ -147,13 +157,16 @@ class ShardDataModule(pl.LightningDataModule):
             "set with resampled=True, which makes an endless stream",
         )
         _require(max_image_pixels >= 1, "max_image_pixels", max_image_pixels, "a positive number of pixels")
+        _require(decode in ("cpu", "device"), "decode", decode, '"cpu" or "device"')
+        if decode == "device":
+            torchvision_io()  # now, not in the first batch: a missing torchvision is a config error
         self.specs = {"train": train, "val": val, "test": test}
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.resampled, self.samples_per_epoch, self.allow_pipe = resampled, samples_per_epoch, allow_pipe
         self.shard_shuffle, self.shuffle_buffer = shard_shuffle, shuffle_buffer
         self.image_size, self.channels = size, channels
         self._augment = ((crop_scale[0], crop_scale[1]), (crop_ratio[0], crop_ratio[1]), hflip)
-        self._eval_crop_fraction, self._max_pixels = eval_crop_fraction, max_image_pixels
+        self._eval_crop_fraction, self._max_pixels, self.decode = eval_crop_fraction, max_image_pixels, decode
         self.rank, self.world_size = 0, 1
         self.urls: dict[str, list[str]] = {}
         self._epoch = self._step = 0
@@ -279,6 +292,7 @@ class ShardDataModule(pl.LightningDataModule):
             resampled=resampled,
             seed=self.seed,
             allow_pipe=self.allow_pipe,
+            decode=self.decode,
         )
         position = self._training_position if train else self._eval_position
         return ShardLoader(
@@ -289,6 +303,13 @@ class ShardDataModule(pl.LightningDataModule):
             num_batches=num_batches,
             in_step=None if train else self._any_rank(),
         )
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Lightning's move to the device; a batch with encoded JPEGs (decode="device") is finished there.
+        (Not on_before_batch_transfer: Lightning would then skip a module's own, ImageClassifier's.)"""
+        if isinstance(batch, dict) and "jpegs" in batch:
+            return finish_on_device(batch, device, self.eval_transform)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def _any_rank(self) -> Callable[[bool], bool] | None:
         """For evaluation on several ranks: whether any rank still has a batch (see ShardLoader)."""

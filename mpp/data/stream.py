@@ -1,7 +1,8 @@
 """One rank's stream of batches, as each DataLoader worker reads it: shards -> samples -> batches.
 
 A worker opens its shards in turn, groups tar members into samples, shuffles them in a
-buffer, decodes and augments each image and collates batches. A sample or shard that cannot
+buffer, decodes and augments each image and collates batches (with decode="device", JPEGs stay
+encoded, with their crop box and flip: mpp.data.device_decode). A sample or shard that cannot
 be read is dropped and counted in the next batch's "skipped". While it works, a worker
 writes where it is (mpp.data.workers) (its shard, the sample it decodes) into shared memory, so that the main
 process can name them if the worker is killed.
@@ -12,18 +13,17 @@ from __future__ import annotations
 import logging
 import random
 import tarfile
-import zlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import webdataset
-from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
+from mpp.data.device_decode import pack_jpegs
 from mpp.data.remote import ShardOpenError, open_url
-from mpp.data.transforms import ImageTransform
+from mpp.data.transforms import DECODE_ERRORS, EncodedJpeg, ImageTransform
 from mpp.data.workers import Trail, Whereabouts
 from mpp.secrets import redact
 from mpp.shards.images import IMAGE_EXTENSIONS
@@ -31,19 +31,13 @@ from mpp.shards.tar import MemberOrderError, iter_samples
 
 log = logging.getLogger(__name__)
 
-Batch = dict[str, torch.Tensor]
+# Tensors; with decode="device" also the encoded JPEGs under "jpegs" (mpp.data.device_decode).
+Batch = dict[str, Any]
+Decode = Literal["cpu", "device"]
+Example = np.ndarray | EncodedJpeg  # a decoded (H, W, C) image, or a JPEG the device decodes
 
 # What a broken sample or shard raises while being read or decoded (PIL uses several of these).
-_BAD_INPUT = (
-    OSError,
-    ValueError,
-    SyntaxError,
-    EOFError,
-    IndexError,
-    tarfile.TarError,
-    zlib.error,
-    Image.DecompressionBombError,
-)
+_BAD_INPUT = (*DECODE_ERRORS, tarfile.TarError)
 
 
 def resampled_share(urls: Sequence[str], *, rank: int, world_size: int, worker: int, num_workers: int) -> list[str]:
@@ -63,7 +57,7 @@ class ShardStream(IterableDataset):
     ShardLoader sets `epoch`, `start_step` and `whereabouts` before every iter(); workers are
     created anew for each epoch (no persistent workers), so they see the values set in the
     main process. `epoch` orders the shards; (epoch, start_step) seed the draws, sample
-    shuffle and augmentation.
+    shuffle and augmentation. `decode="device"` leaves JPEGs encoded for the device.
     """
 
     def __init__(
@@ -79,11 +73,12 @@ class ShardStream(IterableDataset):
         resampled: bool,
         seed: int,
         allow_pipe: bool,
+        decode: Decode = "cpu",
     ) -> None:
         super().__init__()
         self.urls, self.rank, self.world_size, self.batch_size = list(urls), rank, world_size, batch_size
         self.transform, self.shard_shuffle, self.shuffle_buffer = transform, shard_shuffle, shuffle_buffer
-        self.resampled, self.seed, self.allow_pipe = resampled, seed, allow_pipe
+        self.resampled, self.seed, self.allow_pipe, self.decode = resampled, seed, allow_pipe, decode
         self.epoch = self.start_step = 0
         self.whereabouts: Whereabouts | None = None
 
@@ -102,7 +97,8 @@ class ShardStream(IterableDataset):
                 samples
             )
         shape = (self.transform.channels, *self.transform.size)
-        return _batches(_decoded(samples, self.transform, rng, skips, trail), self.batch_size, skips, shape)
+        decode = self.transform.for_device if self.decode == "device" else self.transform
+        return _batches(_decoded(samples, decode, rng, skips, trail), self.batch_size, skips, shape)
 
     def _shard_order(self, rng: random.Random, worker: int, num_workers: int, skips: _Skips) -> Iterator[str]:
         """Shard URLs for this rank and worker: an endless random draw, or this epoch's share.
@@ -210,9 +206,13 @@ def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: Tr
 
 
 def _decoded(
-    samples: Iterator[dict[str, Any]], transform: ImageTransform, rng: random.Random, skips: _Skips, trail: Trail
-) -> Iterator[tuple[np.ndarray, int]]:
-    """Samples -> (image (H, W, C) uint8, label or -1); bad samples are counted and dropped."""
+    samples: Iterator[dict[str, Any]],
+    transform: Callable[[bytes, random.Random], Example],
+    rng: random.Random,
+    skips: _Skips,
+    trail: Trail,
+) -> Iterator[tuple[Example, int]]:
+    """Samples -> (image (H, W, C) uint8 or an encoded JPEG, label or -1); bad samples are counted and dropped."""
     for sample in samples:
         trail.decoding(sample["__key__"], sample["__url__"])
         try:
@@ -222,6 +222,8 @@ def _decoded(
                 raise ValueError(f"no image member (.png, .jpg, ...); it has {members}")
             label = int(sample["cls"]) if "cls" in sample else -1
             image = transform(sample[extension], rng)
+            if isinstance(image, EncodedJpeg):  # named for the device's messages
+                image = image._replace(name=f"sample {sample['__key__']} of {sample['__url__']}")
         except _BAD_INPUT as error:
             skips.add(f"sample {sample['__key__']} of {sample['__url__']}", error)
             continue
@@ -230,7 +232,7 @@ def _decoded(
 
 
 def _batches(
-    examples: Iterator[tuple[np.ndarray, int]], batch_size: int, skips: _Skips, shape: tuple[int, int, int]
+    examples: Iterator[tuple[Example, int]], batch_size: int, skips: _Skips, shape: tuple[int, int, int]
 ) -> Iterator[Batch]:
     """Collate into batches; each is held back until the next fills, so skips after the last still count.
 
@@ -238,7 +240,7 @@ def _batches(
     to carry the count; ShardLoader folds it into another batch, so no training step sees it.
     """
     held: Batch | None = None
-    images: list[np.ndarray] = []
+    images: list[Example] = []
     labels: list[int] = []
     for image, label in examples:
         images.append(image)
@@ -246,12 +248,12 @@ def _batches(
         if len(images) == batch_size:
             if held is not None:
                 yield held
-            held = _collate(images, labels, skips.take())
+            held = _collate(images, labels, skips.take(), shape)
             images, labels = [], []
     if images:
         if held is not None:
             yield held
-        held = _collate(images, labels, skips.take())
+        held = _collate(images, labels, skips.take(), shape)
     if held is None and skips.count:
         held = _collate([], [], 0, shape)
     if held is not None:
@@ -259,19 +261,18 @@ def _batches(
         yield held
 
 
-def _collate(
-    pixels: list[np.ndarray], labels: list[int], skipped: int, shape: tuple[int, int, int] | None = None
-) -> Batch:
-    """(H, W, C) arrays -> a batch; one strided copy per image (numpy's is twice as fast as torch.stack's).
-
-    `shape` (C, H, W) is needed only when there are no arrays to take it from.
-    """
-    channels, height, width = shape or (pixels[0].shape[2], *pixels[0].shape[:2])
-    images = np.empty((len(pixels), channels, height, width), dtype=np.uint8)
+def _collate(examples: list[Example], labels: list[int], skipped: int, shape: tuple[int, int, int]) -> Batch:
+    """(H, W, C) arrays of (C, H, W) `shape` -> a batch; one strided copy per image (numpy's is twice as
+    fast as torch.stack's). Encoded JPEGs go under "jpegs", their labels in place among the others'."""
+    pixels = [example for example in examples if isinstance(example, np.ndarray)]
+    images = np.empty((len(pixels), *shape), dtype=np.uint8)
     for slot, hwc in zip(images, pixels):
         slot[...] = hwc.transpose(2, 0, 1)
-    return {
+    batch: Batch = {
         "image": torch.from_numpy(images),
         "label": torch.tensor(labels, dtype=torch.int64),
         "skipped": torch.tensor(skipped, dtype=torch.int64),
     }
+    if len(pixels) < len(examples):
+        batch["jpegs"] = pack_jpegs(examples)
+    return batch

@@ -2,7 +2,9 @@
 
 Everything happens in PIL on one sample's encoded bytes; the result is a uint8 array
 (H, W, C) with no normalisation (the model needs raw pixels for its colour targets), which
-the data pipeline collates into (B, C, H, W) tensors.
+the data pipeline collates into (B, C, H, W) tensors. With decode="device" a JPEG's pixels are
+left encoded: the worker reads its header and draws its crop and flip, and the device does the
+rest (mpp.data.device_decode).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import io
 import math
 import random
+import zlib
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -17,6 +21,21 @@ from PIL import Image
 from mpp.shards.images import DEFAULT_MAX_PIXELS, to_8bit
 
 Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
+
+# What a broken image raises while PIL reads or decodes it.
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, IndexError, zlib.error, Image.DecompressionBombError)
+
+# The JPEG modes that decode on a device as PIL decodes them; others (CMYK) are decoded in the worker.
+DEVICE_JPEG_MODES = ("L", "RGB")
+
+
+class EncodedJpeg(NamedTuple):
+    """A JPEG left for the device to decode (decode="device"), with the crop box and flip drawn for it."""
+
+    data: bytes
+    box: Box
+    flip: bool
+    name: str = ""  # "sample <key> of <shard>", for messages
 
 
 def random_resized_box(
@@ -58,6 +77,10 @@ class ImageTransform:
     An image whose header declares more than `max_pixels` pixels raises
     Image.DecompressionBombError before any pixel is decoded. PIL's own guard only warns up
     to twice Image.MAX_IMAGE_PIXELS, and past that refuses regardless of `max_pixels`.
+
+    `for_device` is the worker's part of decode="device": it draws a JPEG's box and flip with the
+    same calls on `rng` as __call__, so a seed gives the same crops and flips on either path, and
+    leaves the pixels to the device; `finish` is the CPU path for a box and flip drawn before.
     """
 
     def __init__(
@@ -78,22 +101,48 @@ class ImageTransform:
 
     def __call__(self, data: bytes, rng: random.Random) -> np.ndarray:
         """Decode, crop and resize one image -> (H, W, channels) uint8."""
+        image = self._open(data)
+        resized = self._resized(image, self._box(image, rng))
+        return self._finished(resized, self._flip(rng))  # a flip is drawn only for an image that decoded
+
+    def for_device(self, data: bytes, rng: random.Random) -> np.ndarray | EncodedJpeg:
+        """A JPEG's bytes with its box and flip, drawn as __call__ draws them; any other image finished here."""
+        image = self._open(data)
+        box = self._box(image, rng)
+        if image.format != "JPEG" or image.mode not in DEVICE_JPEG_MODES:
+            return self._finished(self._resized(image, box), self._flip(rng))
+        return EncodedJpeg(data, box, self._flip(rng))
+
+    def finish(self, data: bytes, box: Box, flip: bool) -> np.ndarray:
+        """The CPU path for a box and flip drawn before -> (H, W, channels) uint8."""
+        return self._finished(self._resized(self._open(data), box), flip)
+
+    def _open(self, data: bytes) -> Image.Image:
         image: Image.Image = Image.open(io.BytesIO(data))  # reads the header only; pixels are decoded on first use
         if image.width * image.height > self.max_pixels:
             raise Image.DecompressionBombError(
                 f"a {image.width}x{image.height} image has {image.width * image.height} pixels, over the "
                 f"limit of {self.max_pixels} (max_image_pixels)"
             )
+        return image
+
+    def _box(self, image: Image.Image, rng: random.Random) -> Box:
         if self.train:
-            box = random_resized_box(image.width, image.height, scale=self.scale, ratio=self.ratio, rng=rng)
-        else:
-            box = center_box(image.width, image.height, size=self.size, crop_fraction=self.crop_fraction)
+            return random_resized_box(image.width, image.height, scale=self.scale, ratio=self.ratio, rng=rng)
+        return center_box(image.width, image.height, size=self.size, crop_fraction=self.crop_fraction)
+
+    def _flip(self, rng: random.Random) -> bool:
+        return self.train and self.hflip and rng.random() < 0.5
+
+    def _resized(self, image: Image.Image, box: Box) -> Image.Image:
         box = _draft(image, box, self.size, self.channels)
         image = to_8bit(image)
         out_h, out_w = self.size
         # One resize with `box` crops and scales in a single pass, with no intermediate copy.
-        image = image.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box)
-        if self.train and self.hflip and rng.random() < 0.5:
+        return image.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box)
+
+    def _finished(self, image: Image.Image, flip: bool) -> np.ndarray:
+        if flip:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         wanted = "L" if self.channels == 1 else "RGB"
         if image.mode != wanted:  # converted after the resize, where it touches fewer pixels
