@@ -26,6 +26,8 @@ SMALLEST = {
     "memory": ["tools/bench_memory.py", "--few", "1", "--many", "2", "--per-shard", "4", "--workers", "1",
                "--shuffle-buffers", "0", "--image-size", "8", "--side", "16", "--batch", "4"],
     "gpu": ["tools/bench_gpu.py", "--smoke"],
+    # Eager only: compiling even the demo model takes ~30 s an arm on two cores.
+    "precision": ["tools/bench_precision.py", "--batch", "4", "--repeats", "1", "--warmup", "1", "--no-compile"],
 }
 
 
@@ -57,6 +59,14 @@ def test_bench_fit_compares_shards_with_in_memory_batches(runs: dict[str, subpro
     shown_shards, shown_synthetic = float(shards[1]), float(synthetic[1])
     rounding = shown_shards / shown_synthetic * (0.05 / shown_shards + 0.05 / shown_synthetic) + 5e-4
     assert abs(float(ratio[1]) - shown_shards / shown_synthetic) <= 1.01 * rounding
+
+
+def test_bench_precision_times_each_precision(runs: dict[str, subprocess.Popen]) -> None:
+    out = output(runs, "precision")
+    rows = re.findall(r"^\| (32-true|bf16-mixed), (eager|compiled) \| [\d.]+ \(1\) \| [\d.]+ \| [\d.]+ \| (\d+\.\d+)x \|$",
+                      out, re.MULTILINE)
+    assert [(precision, mode) for precision, mode, _ in rows] == [("32-true", "eager"), ("bf16-mixed", "eager")], out
+    assert rows[0][2] == "1.00"  # the reference is the first arm
 
 
 def test_bench_memory_reads_every_sample_in_a_fresh_process(runs: dict[str, subprocess.Popen]) -> None:

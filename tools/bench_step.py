@@ -15,7 +15,6 @@ benchmark-only dependency: `make bench` installs it in its own environment.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import time
@@ -24,18 +23,11 @@ from pathlib import Path
 
 import torch
 import yaml
-from benchkit import alternate, argument_parser, host_line, synchronize
+from benchkit import alternate, argument_parser, host_line, precision_context, synchronize
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
 
 PRESET = Path(__file__).parents[1] / "configs" / "model" / "vit_b.yaml"
-
-
-def precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """What a step's forward runs under: nothing for 32-true, bf16 autocast for bf16-mixed."""
-    if precision == "bf16-mixed":
-        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def mpp_step(batch: int, image_size: int, device: torch.device, *, precision: str, compile: bool) -> Callable[[], None]:

@@ -7,6 +7,8 @@ sys.path, and pytest's pythonpath has tools/. It imports no script.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import logging
 import platform
 import time
@@ -107,6 +109,13 @@ def alternate(arms: dict[str, Callable[[], T]], repeats: int) -> dict[str, list[
         for name in order if repeat % 2 == 0 else reversed(order):
             results[name].append(arms[name]())
     return results
+
+
+def precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """What a step's forward runs under: nothing for 32-true, bf16 autocast for bf16-mixed (as Lightning's)."""
+    if precision == "bf16-mixed":
+        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
 
 
 def synchronize(device: torch.device) -> None:
