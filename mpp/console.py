@@ -32,7 +32,9 @@ def quiet_console(debug: bool = False) -> None:
     - gcsfs logs every request that ran out of its retries with a traceback, then raises; mpp's
       error names the URL, so gcsfs's own log is kept for `debug`.
     - Lightning's litlogger tip goes; its other lines ("GPU available", "Seed set") stay.
-    - torch's deprecation of `LeafSpec`, which Lightning's own pytree helper still uses, goes.
+    - torch's deprecation of `LeafSpec`, which Lightning's own pytree helper still uses, goes;
+      so does the model summary's note that it counts bf16-mixed parameters at 32 bits, which
+      they are (bf16-mixed keeps float32 weights).
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("mpp").setLevel(logging.DEBUG if debug else logging.INFO)
@@ -43,6 +45,7 @@ def quiet_console(debug: bool = False) -> None:
         if not any(isinstance(f, _DropLitLoggerTip) for f in rank_zero.filters):
             rank_zero.addFilter(_DropLitLoggerTip())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings("ignore", message=r"Precision bf16-mixed is not supported by the model summary")
 
 
 def quiet_wandb(loggers: list[Any]) -> None:

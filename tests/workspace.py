@@ -74,7 +74,7 @@ def unexplained_lines(out: str) -> tuple[list[str], dict[str, list[str]]]:
         "mpp": [line for line in lines if line.startswith("mpp: ")],
         "wandb": [line for line in lines if re.match(r"(\x1b\[[\d;]*m)?wandb", line)],
         "lightning": [line for line in lines
-                      if re.match(r"(Seed set|GPU available|TPU available|`Trainer.fit` stopped|Restoring states|"
+                      if re.match(r"(Seed set|GPU available|TPU available|Using bfloat16 Automatic|`Trainer.fit` stopped|Restoring states|"
                                   r"Restored all states|\s*\||\d+ |-{10,}|\s*\d+\.\d+ +Total)", line)],
     }
     known = {line for group in sources.values() for line in group}
