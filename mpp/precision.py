@@ -3,7 +3,8 @@ bf16 natively, 32-true elsewhere.
 
 bf16 on a CPU without bf16 instructions is emulated and slower than float32; with them (AVX-512
 BF16 or AMX), and on a GPU with bf16, the ViTs here train faster in bf16-mixed (README,
-"Benchmarks"). Lightning's own default is 32-true whatever the machine.
+"Measured": the step against timm, precision and compile per model size). Lightning's own
+default is 32-true whatever the machine.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def default_precision(accelerator: Any) -> tuple[str, str]:
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return "bf16-mixed", "the GPU computes bf16"
         return "32-true", "the GPU has no bf16"
-    if name in ("cpu", "auto"):
+    if "cpu" in name or name == "auto":  # "cpu", or a CPUAccelerator instance
         if cpu_has_bf16():
             return "bf16-mixed", "the CPU has bf16 instructions"
         return "32-true", "the CPU has no bf16 instructions"

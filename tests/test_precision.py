@@ -40,6 +40,13 @@ def test_a_gpu_takes_bf16_where_it_computes_it(monkeypatch, bf16: bool, expected
     assert default_precision("cpu")[0] == ("32-true" if bf16 else "bf16-mixed")
 
 
+def test_an_accelerator_instance_counts_as_its_kind(monkeypatch) -> None:
+    from pytorch_lightning.accelerators import CPUAccelerator
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert default_precision(CPUAccelerator())[0] == "bf16-mixed"
+
+
 def test_other_accelerators_keep_lightnings_default(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_precision("mps") == ("32-true", "Lightning's default on mps")
