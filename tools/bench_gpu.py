@@ -56,10 +56,12 @@ from benchkit import (
     cpu_name,
     fit_arms,
     load_run_config,
+    precision_context,
     quiet_lightning,
     software,
     steady_rates,
     synchronize,
+    training_step,
     write_photo_shards,
 )
 
@@ -106,7 +108,7 @@ def compute_arm(
     encoder = ViTConfig(**run["model"]["encoder"])
     height, width = pair(encoder.image_size)
     images = torch.randint(0, 256, (batch, encoder.channels, height, width), dtype=torch.uint8, device=device)
-    bf16 = "bf16" in str(run["trainer"].get("precision", ""))
+    autocast = precision_context(str(run["trainer"].get("precision", "")), device)
     clip = run["trainer"].get("gradient_clip_val")
 
     def arm() -> Rates:
@@ -115,14 +117,7 @@ def compute_arm(
         optimizer, schedule = built["optimizer"], built["lr_scheduler"]["scheduler"]
         ends = []
         for step in range(warmup + steps):
-            # As Lightning's bf16-mixed enters it (no weight-cast cache), so the compiled forward is reused.
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
-                loss = model.loss(images)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
+            training_step(model, optimizer, images, autocast=autocast, clip=clip)
             schedule.step()
             if step == warmup - 1 or step == warmup + steps - 1:
                 synchronize(device)  # only at the window's ends: a sync every step would stall the queue

@@ -20,7 +20,15 @@ import time
 from collections.abc import Callable
 
 import torch
-from benchkit import alternate, argument_parser, host_line, load_run_config, precision_context, synchronize
+from benchkit import (
+    alternate,
+    argument_parser,
+    host_line,
+    load_run_config,
+    precision_context,
+    timed,
+    training_step,
+)
 
 from mpp import MaskedPatchPretraining
 from mpp.model.pixels import pair
@@ -39,26 +47,7 @@ def mpp_step(run: dict, *, batch: int, device: torch.device, precision: str, com
     images = torch.randint(0, 256, (batch, encoder.channels, height, width), dtype=torch.uint8, device=device)
     autocast = precision_context(precision, device)
     clip = run["trainer"].get("gradient_clip_val")
-
-    def step() -> None:
-        with autocast():
-            loss = model.loss(images)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-
-    return step
-
-
-def timed(step: Step, device: torch.device) -> float:
-    """Seconds one step takes, synchronised on GPUs."""
-    synchronize(device)
-    start = time.perf_counter()
-    step()
-    synchronize(device)
-    return time.perf_counter() - start
+    return functools.partial(training_step, model, optimizer, images, autocast=autocast, clip=clip)
 
 
 def main() -> None:

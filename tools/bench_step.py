@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import yaml
-from benchkit import alternate, argument_parser, host_line, precision_context, synchronize
+from benchkit import alternate, argument_parser, host_line, precision_context, timed, training_step
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
 
@@ -37,16 +36,7 @@ def mpp_step(batch: int, image_size: int, device: torch.device, *, precision: st
     model = MaskedPatchPretraining(encoder=config, optimizer=optimizer_config, compile=compile).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     images = torch.randint(0, 256, (batch, 3, image_size, image_size), dtype=torch.uint8, device=device)
-    autocast = precision_context(precision, device)
-
-    def step() -> None:
-        with autocast():
-            loss = model.loss(images)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
+    return functools.partial(training_step, model, optimizer, images, autocast=precision_context(precision, device))
 
 
 def timm_step(
@@ -70,15 +60,6 @@ def timm_step(
         optimizer.step()
 
     return step
-
-
-def timed(step: Callable[[], None], device: torch.device) -> float:
-    """Seconds one step takes, synchronised on GPUs."""
-    synchronize(device)
-    start = time.perf_counter()
-    step()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -112,10 +112,38 @@ def alternate(arms: dict[str, Callable[[], T]], repeats: int) -> dict[str, list[
 
 
 def precision_context(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """What a step's forward runs under: nothing for 32-true, bf16 autocast for bf16-mixed (as Lightning's)."""
-    if precision == "bf16-mixed":
-        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    """What a step's forward runs under: nothing for 32-true, bf16 autocast for bf16-mixed, entered as
+    Lightning's bf16-mixed enters it (no weight-cast cache, so a compiled forward is reused)."""
+    if "bf16" in precision:
+        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, cache_enabled=False)
     return contextlib.nullcontext
+
+
+def training_step(
+    model: MaskedPatchPretraining,
+    optimizer: torch.optim.Optimizer,
+    images: torch.Tensor,
+    *,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    clip: float | None = None,
+) -> None:
+    """One MPP training step without Lightning: loss under `autocast`, backward, clipping at norm `clip`, update."""
+    with autocast():
+        loss = model.loss(images)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+
+
+def timed(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds one call of `step` takes, synchronised on GPUs."""
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def synchronize(device: torch.device) -> None:
