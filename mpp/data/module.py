@@ -6,6 +6,8 @@ A batch is a dict:
     "skipped": int64 (), samples dropped since the worker's previous batch (undecodable
                image, one over max_image_pixels, no image member, a tar that broke off:
                one each); summed over batches, the total.
+    "position": the worker's ResumePoint as the batch was completed (mpp.data.resume); the
+               data module notes it and drops it as the batch moves to the device.
 In evaluation on several ranks, B is 0 for the batches a rank runs while it waits, in step,
 for the ranks that still have samples (ShardLoader); modules log nothing for them.
 
@@ -15,10 +17,11 @@ with it, every rank draws shards at random with replacement from its own share (
 across ranks, and across its workers where there are enough shards) and yields
 samples_per_epoch // (world_size * batch_size) batches, so DDP ranks stay in step.
 
-Training streams are seeded by the epoch and by the trainer's global step when iteration
-starts. Lightning restarts an iterable loader from its start when a run resumes mid-epoch,
-so a resumed run draws fresh samples rather than the ones it already trained on; a run that
-is not interrupted starts each epoch at a fixed step, so it is reproducible as before.
+Training streams are seeded by the epoch and by the global step the epoch started at. A
+checkpoint holds where the epoch is on every rank (ShardLoader.state_dict): a run resumed from
+it continues the epoch with the very samples, order and augmentation the run that was never
+stopped would have had. Resumed with other data settings (world size, workers, batch size, the
+shards, ...), the epoch starts afresh, seeded by the step it resumes at, with a warning.
 """
 
 from __future__ import annotations
@@ -97,10 +100,8 @@ class ShardDataModule(pl.LightningDataModule):
 
     Rank and world size come from the trainer in setup(), or from setup(rank=, world_size=).
     The epoch that reseeds shard order comes from trainer.current_epoch, or set_epoch(). A
-    training stream is also seeded by trainer.global_step when it starts (or set_epoch's
-    `step`): a run resumed mid-epoch, which Lightning restarts at the loader's beginning,
-    draws fresh samples. A stream that is not resampled rereads the whole of the resumed
-    epoch's shards, in that epoch's order, with fresh sample shuffling and augmentation.
+    training stream is also seeded by trainer.global_step when its epoch starts (or set_epoch's
+    `step`); a run resumed mid-epoch continues the epoch where its checkpoint was written.
     """
 
     def __init__(
@@ -170,6 +171,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.rank, self.world_size = 0, 1
         self.urls: dict[str, list[str]] = {}
         self._epoch = self._step = 0
+        self._train_loader: ShardLoader | None = None
 
     def setup(
         self,
@@ -295,18 +297,28 @@ class ShardDataModule(pl.LightningDataModule):
             decode=self.decode,
         )
         position = self._training_position if train else self._eval_position
-        return ShardLoader(
+        loader = ShardLoader(
             stream,
             split=split,
             num_workers=self.num_workers,
             position=position,
             num_batches=num_batches,
             in_step=None if train else self._any_rank(),
+            gather=_gather_ranks if self.world_size > 1 else None,
         )
+        if train:
+            self._train_loader = loader
+        return loader
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Lightning's move to the device; a batch with encoded JPEGs (decode="device") is finished there.
-        (Not on_before_batch_transfer: Lightning would then skip a module's own, ImageClassifier's.)"""
+        """Lightning's move to the device, as the step that takes the batch begins: a training batch's
+        resume point is noted for the next checkpoint, and a batch with encoded JPEGs (decode="device")
+        is finished there. (Not on_before_batch_transfer: Lightning would then skip a module's own,
+        ImageClassifier's.)"""
+        if isinstance(batch, dict) and "position" in batch:
+            if self._train_loader is not None and self.trainer is not None and self.trainer.training:
+                self._train_loader.trained(batch)
+            batch.pop("position", None)
         if isinstance(batch, dict) and "jpegs" in batch:
             return finish_on_device(batch, device, self.eval_transform)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
@@ -317,3 +329,12 @@ class ShardDataModule(pl.LightningDataModule):
             return None
         strategy = self.trainer.strategy
         return lambda has_batch: strategy.reduce_boolean_decision(has_batch, all=False)
+
+
+def _gather_ranks(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (all ranks call it, as Lightning dumps a checkpoint on all)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    values: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values

@@ -3,9 +3,10 @@
 A worker opens its shards in turn, groups tar members into samples, shuffles them in a
 buffer, decodes and augments each image and collates batches (with decode="device", JPEGs stay
 encoded, with their crop box and flip: mpp.data.device_decode). A sample or shard that cannot
-be read is dropped and counted in the next batch's "skipped". While it works, a worker
-writes where it is (mpp.data.workers) (its shard, the sample it decodes) into shared memory, so that the main
-process can name them if the worker is killed.
+be read is dropped and counted in the next batch's "skipped". Each batch carries the worker's
+resume point, from which a resumed run rebuilds the stream exactly (mpp.data.resume). While it
+works, a worker writes where it is (mpp.data.workers) (its shard, the sample it decodes) into
+shared memory, so that the main process can name them if the worker is killed.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import logging
 import random
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
-import webdataset
 from torch.utils.data import IterableDataset, get_worker_info
 
 from mpp.data.device_decode import pack_jpegs
 from mpp.data.remote import ShardOpenError, open_url
+from mpp.data.resume import Coordinate, ResumePoint, Sample, ShuffleBuffer
 from mpp.data.transforms import DECODE_ERRORS, EncodedJpeg, ImageTransform
 from mpp.data.workers import Trail, Whereabouts
 from mpp.secrets import redact
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # Tensors; with decode="device" also the encoded JPEGs under "jpegs" (mpp.data.device_decode).
 Batch = dict[str, Any]
+T = TypeVar("T")
 Decode = Literal["cpu", "device"]
 Example = np.ndarray | EncodedJpeg  # a decoded (H, W, C) image, or a JPEG the device decodes
 
@@ -40,7 +42,7 @@ Example = np.ndarray | EncodedJpeg  # a decoded (H, W, C) image, or a JPEG the d
 _BAD_INPUT = (*DECODE_ERRORS, tarfile.TarError)
 
 
-def resampled_share(urls: Sequence[str], *, rank: int, world_size: int, worker: int, num_workers: int) -> list[str]:
+def resampled_share(urls: Sequence[T], *, rank: int, world_size: int, worker: int, num_workers: int) -> list[T]:
     """The shards one worker of one rank draws from with replacement.
 
     Ranks draw from disjoint shards, urls[rank::world_size], when there are at least as many
@@ -54,10 +56,12 @@ def resampled_share(urls: Sequence[str], *, rank: int, world_size: int, worker: 
 class ShardStream(IterableDataset):
     """The batches of one rank's share of the shards; iterated inside each DataLoader worker.
 
-    ShardLoader sets `epoch`, `start_step` and `whereabouts` before every iter(); workers are
-    created anew for each epoch (no persistent workers), so they see the values set in the
-    main process. `epoch` orders the shards; (epoch, start_step) seed the draws, sample
-    shuffle and augmentation. `decode="device"` leaves JPEGs encoded for the device.
+    ShardLoader sets `epoch`, `start_step`, `whereabouts`, and for a resumed epoch `resume_points`
+    and `rotation`, before every iter(); workers are created anew for each epoch (no persistent
+    workers), so they see the values set in the main process. `epoch` orders the shards;
+    (epoch, start_step) seed the draws, sample shuffle and augmentation. Each batch carries its
+    worker's ResumePoint under "position" (mpp.data.resume). `decode="device"` leaves JPEGs
+    encoded for the device.
     """
 
     def __init__(
@@ -81,45 +85,50 @@ class ShardStream(IterableDataset):
         self.resampled, self.seed, self.allow_pipe, self.decode = resampled, seed, allow_pipe, decode
         self.epoch = self.start_step = 0
         self.whereabouts: Whereabouts | None = None
+        self.resume_points: dict[int, ResumePoint] = {}  # by worker role
+        self.rotation = 0  # the role of the first worker
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # The role a worker plays: its share of shards and its seed. A resumed loader rotates the roles so that
+        # its first worker, which delivers the first batch, is the one whose batch came next (ShardLoader).
+        role = (worker + self.rotation) % num_workers
         # Seeded by everything that should change the stream, so runs are reproducible.
-        rng = random.Random(f"{self.seed}/{self.epoch}/{self.start_step}/{self.rank}/{worker}")
+        rng = random.Random(f"{self.seed}/{self.epoch}/{self.start_step}/{self.rank}/{role}")
         skips = _Skips()
         trail = Trail(self.whereabouts, worker)
         if info is not None:
             trail.record_stop_signals()
-        samples = _tar_samples(self._shard_order(rng, worker, num_workers, skips), skips, self.allow_pipe, trail)
-        if self.shuffle_buffer > 1:
-            samples = webdataset.filters.shuffle(self.shuffle_buffer, initial=min(100, self.shuffle_buffer), rng=rng)(
-                samples
-            )
+        share = self._shard_order(role, num_workers)
+        reader = _Reader(
+            self.urls, share, rng, skips, allow_pipe=self.allow_pipe, trail=trail, resampled=self.resampled
+        )
+        buffer = ShuffleBuffer(self.shuffle_buffer, min(100, self.shuffle_buffer), rng)
+        point = self.resume_points.get(role)
+        source = reader.read() if point is None else reader.resume(point, buffer)
         shape = (self.transform.channels, *self.transform.size)
         decode = self.transform.for_device if self.decode == "device" else self.transform
-        return _batches(_decoded(samples, decode, rng, skips, trail), self.batch_size, skips, shape)
 
-    def _shard_order(self, rng: random.Random, worker: int, num_workers: int, skips: _Skips) -> Iterator[str]:
-        """Shard URLs for this rank and worker: an endless random draw, or this epoch's share.
+        def where() -> ResumePoint:
+            return reader.point(role, buffer)
 
-        An endless draw from shards that all turned out to hold no sample would never yield a
-        batch: it stops with an error naming them once every shard of its share has been seen empty.
+        return _batches(_decoded(buffer(source), decode, rng, skips, trail), self.batch_size, skips, shape, where)
+
+    def _shard_order(self, role: int, num_workers: int) -> list[int]:
+        """Indices into `urls` of the shards of this rank and worker role: this epoch's share, or (resampled)
+        the share it draws from at random, with replacement.
         """
+        indices = list(range(len(self.urls)))
         if self.resampled:
-            share = resampled_share(
-                self.urls, rank=self.rank, world_size=self.world_size, worker=worker, num_workers=num_workers
+            return resampled_share(
+                indices, rank=self.rank, world_size=self.world_size, worker=role, num_workers=num_workers
             )
-            while True:
-                if skips.empty_shards.issuperset(share):
-                    raise EmptyShardsError(redact(_empty_message(share)))
-                yield rng.choice(share)
-        urls = list(self.urls)
         if self.shard_shuffle:
             # One permutation for all ranks and workers, so that their slices partition it; seeded by
             # the epoch alone, so an epoch resumed at a later step rereads the same shards.
-            random.Random(f"{self.seed}/{self.epoch}").shuffle(urls)
-        yield from urls[self.rank :: self.world_size][worker::num_workers]
+            random.Random(f"{self.seed}/{self.epoch}").shuffle(indices)
+        return indices[self.rank :: self.world_size][role::num_workers]
 
 
 class EmptyShardsError(RuntimeError):
@@ -178,42 +187,154 @@ class _Skips:
         return count
 
 
-def _tar_samples(urls: Iterator[str], skips: _Skips, allow_pipe: bool, trail: Trail) -> Iterator[dict[str, Any]]:
-    """Shard URLs -> samples {"__key__", "__url__", extension: bytes}; a tar that breaks off counts one skip.
+class _Reader:
+    """A worker's samples with their coordinates (shard index in its order, sample index in the shard),
+    and where it is: `next`, the coordinate of the next sample it would read.
+
+    `share` holds indices into the stream's URLs: read in turn, or (resampled) drawn from with
+    replacement, endlessly. An endless draw from shards that all turned out to hold no sample would
+    never yield a batch: it stops with an error naming them once every shard of its share has been
+    seen empty.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        share: list[int],
+        rng: random.Random,
+        skips: _Skips,
+        *,
+        allow_pipe: bool,
+        trail: Trail,
+        resampled: bool,
+    ) -> None:
+        self.urls, self.share, self.rng, self.skips = urls, share, rng, skips
+        self.allow_pipe, self.trail, self.resampled = allow_pipe, trail, resampled
+        self.drawn: dict[int, int] = {}  # shard index in the order -> index into the URLs, where drawn
+        self.next: Coordinate = (0, 0)
+
+    def shard(self, index: int) -> int | None:
+        """The URL index of the shard at `index` of the order (None past the end of an epoch's share)."""
+        if not self.resampled:
+            return self.share[index] if index < len(self.share) else None
+        if index not in self.drawn:
+            if self.skips.empty_shards.issuperset(self.urls[at] for at in self.share):
+                raise EmptyShardsError(redact(_empty_message([self.urls[at] for at in self.share])))
+            self.drawn[index] = self.rng.choice(self.share)
+        return self.drawn[index]
+
+    def read(
+        self, start: Coordinate = (0, 0), found: Callable[[Coordinate, Sample], None] | None = None
+    ) -> Iterator[tuple[Coordinate, Sample]]:
+        """The samples from `start` on; those of start's shard before it go to `found` (a resumed buffer's)."""
+        index, first = start
+        while (at := self.shard(index)) is not None:
+            for number, sample in enumerate(_shard_samples(self.urls[at], self.skips, self.allow_pipe, self.trail)):
+                if number < first:
+                    if found is not None:
+                        found((index, number), sample)
+                    continue
+                self.next = (index, number + 1)
+                yield (index, number), sample
+            index, first = index + 1, 0
+            self.next = (index, 0)
+
+    def resume(self, point: ResumePoint, buffer: ShuffleBuffer) -> Iterator[tuple[Coordinate, Sample]]:
+        """Rebuild the stream at `point`: refill `buffer` from the shards its samples came from (read again,
+        nothing decoded), take up the generator's state and read on from `point.next`."""
+        self.rng.setstate(point.rng)
+        if self.resampled:
+            self.drawn.update(point.shards)
+        slots: dict[Coordinate, int] = {(int(j), int(i)): slot for slot, (j, i) in enumerate(point.buffer)}
+        items: list[tuple[Coordinate, Sample] | None] = [None] * len(slots)
+
+        def found(coordinate: Coordinate, sample: Sample) -> None:
+            if coordinate in slots:
+                items[slots[coordinate]] = (coordinate, sample)
+
+        current, first = point.next
+        replay = _Skips()  # what these shards skipped was counted before the run stopped
+        for index in sorted({j for j, _ in slots if j != current}):
+            at = point.shards[index]
+            last = max(i for j, i in slots if j == index)
+            for number, sample in enumerate(_shard_samples(self.urls[at], replay, self.allow_pipe, self.trail)):
+                found((index, number), sample)
+                if number >= last:
+                    break
+        buffer.items = items  # type: ignore[assignment]  # complete once the current shard's start is read
+        live = self.read(point.next, found)
+        self.next = point.next
+        return _checked(live, items, point)
+
+    def point(self, role: int, buffer: ShuffleBuffer) -> ResumePoint:
+        coordinates = buffer.coordinates()
+        named = {int(j) for j in coordinates[:, 0]} | {self.next[0]}
+        shards = {j: at for j in named if (at := self.shard_known(j)) is not None}
+        return ResumePoint(role, self.next, coordinates, shards, self.rng.getstate())
+
+    def shard_known(self, index: int) -> int | None:
+        """The URL index of an order index already read or drawn (no draw: a resume point must not draw)."""
+        if self.resampled:
+            return self.drawn.get(index)
+        return self.share[index] if index < len(self.share) else None
+
+
+def _checked(
+    live: Iterator[tuple[Coordinate, Sample]], items: list[Any], point: ResumePoint
+) -> Iterator[tuple[Coordinate, Sample]]:
+    """The live samples, after checking that the resumed buffer found every sample it held."""
+    first = next(live, None)
+    missing = [tuple(int(v) for v in point.buffer[slot]) for slot, item in enumerate(items) if item is None]
+    if missing:
+        raise ResumeError(
+            f"resuming, {len(missing)} sample(s) of the shuffle buffer were not in their shards (first: shard "
+            f"{missing[0][0]} of the worker's order, sample {missing[0][1]}): the shards changed since the "
+            "checkpoint was written; resume with the same shards, or start the epoch afresh"
+        )
+    if first is not None:
+        yield first
+        yield from live
+
+
+class ResumeError(RuntimeError):
+    """A resume point names samples its shards no longer hold."""
+
+
+def _shard_samples(url: str, skips: _Skips, allow_pipe: bool, trail: Trail) -> Iterator[Sample]:
+    """One shard's samples {"__key__", "__url__", extension: bytes}; a tar that breaks off counts one skip.
 
     The break also drops the sample in hand (it may lack a member), so a sample is read only
     when its members and the next one's first member (or the end-of-archive block) are whole.
     """
-    for url in urls:
-        trail.reading(url)
-        stream = open_url(url, allow_pipe=allow_pipe)  # an unreachable shard is an error, not a skip
-        last = None
-        try:
-            for sample in iter_samples(stream):
-                last = sample["__key__"]
-                yield {**sample, "__url__": url}
-            if last is None and url not in skips.empty_shards:  # a whole tar, but nothing in it: no sample lost
-                skips.empty_shards.add(url)
-                log.warning("shard %s is an empty tar (no members): it adds no samples", redact(url))
-        except ShardOpenError:
-            raise  # the storage, not the shard, failed and its retries are spent: stop, naming the URL
-        except MemberOrderError as error:  # labels parted from images: a wrong result, not a skip
-            raise MemberOrderError(redact(f"shard {url}: {error}")) from None
-        except _BAD_INPUT as error:
-            skips.add(f"shard {url} after sample {last}" if last else f"shard {url}", error)
-        finally:
-            stream.close()
+    trail.reading(url)
+    stream = open_url(url, allow_pipe=allow_pipe)  # an unreachable shard is an error, not a skip
+    last = None
+    try:
+        for sample in iter_samples(stream):
+            last = sample["__key__"]
+            yield {**sample, "__url__": url}
+        if last is None and url not in skips.empty_shards:  # a whole tar, but nothing in it: no sample lost
+            skips.empty_shards.add(url)
+            log.warning("shard %s is an empty tar (no members): it adds no samples", redact(url))
+    except ShardOpenError:
+        raise  # the storage, not the shard, failed and its retries are spent: stop, naming the URL
+    except MemberOrderError as error:  # labels parted from images: a wrong result, not a skip
+        raise MemberOrderError(redact(f"shard {url}: {error}")) from None
+    except _BAD_INPUT as error:
+        skips.add(f"shard {url} after sample {last}" if last else f"shard {url}", error)
+    finally:
+        stream.close()
 
 
 def _decoded(
-    samples: Iterator[dict[str, Any]],
+    samples: Iterator[tuple[Coordinate, Sample]],
     transform: Callable[[bytes, random.Random], Example],
     rng: random.Random,
     skips: _Skips,
     trail: Trail,
 ) -> Iterator[tuple[Example, int]]:
     """Samples -> (image (H, W, C) uint8 or an encoded JPEG, label or -1); bad samples are counted and dropped."""
-    for sample in samples:
+    for _, sample in samples:
         trail.decoding(sample["__key__"], sample["__url__"])
         try:
             extension = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
@@ -232,10 +353,15 @@ def _decoded(
 
 
 def _batches(
-    examples: Iterator[tuple[Example, int]], batch_size: int, skips: _Skips, shape: tuple[int, int, int]
+    examples: Iterator[tuple[Example, int]],
+    batch_size: int,
+    skips: _Skips,
+    shape: tuple[int, int, int],
+    where: Callable[[], ResumePoint],
 ) -> Iterator[Batch]:
     """Collate into batches; each is held back until the next fills, so skips after the last still count.
 
+    Each batch carries, under "position", the worker's ResumePoint as the batch was completed.
     A worker with skips but no sample to batch yields a batch of no images, of (C, H, W) `shape`,
     to carry the count; ShardLoader folds it into another batch, so no training step sees it.
     """
@@ -248,20 +374,22 @@ def _batches(
         if len(images) == batch_size:
             if held is not None:
                 yield held
-            held = _collate(images, labels, skips.take(), shape)
+            held = _collate(images, labels, skips.take(), shape, where())
             images, labels = [], []
     if images:
         if held is not None:
             yield held
-        held = _collate(images, labels, skips.take(), shape)
+        held = _collate(images, labels, skips.take(), shape, where())
     if held is None and skips.count:
-        held = _collate([], [], 0, shape)
+        held = _collate([], [], 0, shape, where())
     if held is not None:
         held["skipped"] += skips.take()
         yield held
 
 
-def _collate(examples: list[Example], labels: list[int], skipped: int, shape: tuple[int, int, int]) -> Batch:
+def _collate(
+    examples: list[Example], labels: list[int], skipped: int, shape: tuple[int, int, int], position: ResumePoint
+) -> Batch:
     """(H, W, C) arrays of (C, H, W) `shape` -> a batch; one strided copy per image (numpy's is twice as
     fast as torch.stack's). Encoded JPEGs go under "jpegs", their labels in place among the others'."""
     pixels = [example for example in examples if isinstance(example, np.ndarray)]
@@ -272,6 +400,7 @@ def _collate(examples: list[Example], labels: list[int], skipped: int, shape: tu
         "image": torch.from_numpy(images),
         "label": torch.tensor(labels, dtype=torch.int64),
         "skipped": torch.tensor(skipped, dtype=torch.int64),
+        "position": position,
     }
     if len(pixels) < len(examples):
         batch["jpegs"] = pack_jpegs(examples)

@@ -62,7 +62,7 @@ def test_batches_are_uint8_dicts_of_the_requested_shape(shards: str) -> None:
     dm = make(shards, image_size=(6, 10), channels=1, shuffle_buffer=0)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    assert set(batch) == {"image", "label", "skipped"}
+    assert set(batch) == {"image", "label", "skipped", "position"}  # the data module drops "position" on the device
     assert batch["image"].shape == (4, 1, 6, 10) and batch["image"].dtype == torch.uint8
 
 
