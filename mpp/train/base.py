@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 from mpp.model.pixels import Normalise
 from mpp.model.vit import ViTConfig
 from mpp.train import optim
+from mpp.train.draws import StepDraws
 from mpp.train.guards import LossGuard, LossGuardCheck, Policy
 
 
@@ -48,6 +49,7 @@ class EncoderModule(pl.LightningModule):
         self.save_hyperparameters(frame=sys._getframe(1))
         self.normalise = Normalise(mean=mean, std=std)
         self.normalise.check_channels(self.encoder_config.channels)
+        self.draws = StepDraws()
 
     def compile_if(self, compile: bool) -> None:
         """Compile `forward` with torch.compile if asked, once the subclass has built every layer."""
@@ -71,6 +73,15 @@ class EncoderModule(pl.LightningModule):
         if stage == "train" and optim.logging_step(self.trainer):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=size)
         return metrics["loss"]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.draws.training_batch(self.trainer.global_step, self.global_rank)
+
+    def on_validation_start(self) -> None:
+        self.draws.evaluation("val", self.trainer.global_step, self.global_rank)
+
+    def on_test_start(self) -> None:
+        self.draws.evaluation("test", self.trainer.global_step, self.global_rank)
 
     def training_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
         return self.loss_guard(self._step(batch, "train"), self.trainer)
@@ -115,3 +126,7 @@ class EncoderModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Fine-tuning and few-shot evaluation rebuild the encoder (at this module's image size) from this alone.
         checkpoint["encoder_config"] = asdict(self.encoder_config)
+        self.draws.save(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.draws.load(checkpoint)
