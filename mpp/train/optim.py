@@ -96,8 +96,21 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, final_ratio
 
 
 def total_steps(trainer: pl.Trainer) -> int:
-    """Optimiser steps of the run, which the learning-rate schedule spans."""
+    """Optimiser steps of the run, which the learning-rate schedule spans.
+
+    Where the run's length is in epochs, Lightning counts the steps by loading the train loader,
+    before it restores a checkpoint being resumed, and then never gives that loader the state the
+    checkpoint holds for it (Lightning issue #20550): the epoch would start afresh. The loader it
+    loaded is dropped here, so that the fit loop loads it again after the restore, with its state.
+    """
+    fit_loop = trainer.fit_loop
+    loaded = fit_loop._combined_loader is not None
     steps = trainer.estimated_stepping_batches
+    if not loaded and fit_loop._combined_loader is not None:  # a fresh run loads it twice
+        if fit_loop._data_fetcher is not None:
+            fit_loop._data_fetcher.teardown()
+            fit_loop._data_fetcher = None
+        fit_loop._combined_loader = None
     if not math.isfinite(steps):
         raise ValueError("the run's length is unknown: set trainer.max_steps (the schedule decays over it)")
     return int(steps)
