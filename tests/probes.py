@@ -42,10 +42,11 @@ class RunProbe(pl.Callback):
         out: folder of the records.
         tag: names this run's records.
         kill_at_step: SIGKILL this process when the step with this global step begins.
+        losses: also write a "step_end" record with each batch's training loss.
     """
 
-    def __init__(self, out: str, tag: str, kill_at_step: int | None = None) -> None:
-        self.out, self.tag, self.kill_at_step = Path(out), tag, kill_at_step
+    def __init__(self, out: str, tag: str, kill_at_step: int | None = None, losses: bool = False) -> None:
+        self.out, self.tag, self.kill_at_step, self.losses = Path(out), tag, kill_at_step, losses
 
     def write(self, trainer: pl.Trainer, record: dict[str, Any]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -70,6 +71,14 @@ class RunProbe(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         self.write(trainer, {"event": "step", "global_step": trainer.global_step, "labels": batch["label"].tolist(),
                              "lr": trainer.optimizers[0].param_groups[0]["lr"], "time": time.monotonic()})
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self.losses:
+            return
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.write(trainer, {"event": "step_end", "global_step": trainer.global_step,
+                             "loss": None if loss is None else float(loss)})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.write(trainer, {"event": "end", "global_step": trainer.global_step, "weights": digest(pl_module.state_dict())})
