@@ -28,6 +28,7 @@ SMALLEST = {
     "gpu": ["tools/bench_gpu.py", "--smoke"],
     # Eager only: compiling even the demo model takes ~30 s an arm on two cores.
     "precision": ["tools/bench_precision.py", "--batch", "4", "--repeats", "1", "--warmup", "1", "--no-compile"],
+    "resume": ["tools/bench_resume.py", "--shard-sizes", "2500", "--batches", "3", "--repeats", "1"],
 }
 
 
@@ -67,6 +68,15 @@ def test_bench_precision_times_each_precision(runs: dict[str, subprocess.Popen])
                       out, re.MULTILINE)
     assert [(precision, mode) for precision, mode, _ in rows] == [("32-true", "eager"), ("bf16-mixed", "eager")], out
     assert rows[0][2] == "1.00"  # the reference is the first arm
+
+
+def test_bench_resume_times_the_replay_of_a_resumed_stream(runs: dict[str, subprocess.Popen]) -> None:
+    out = output(runs, "resume")
+    # 3 batches of 128 into 2,500-sample shards: the buffer and the next sample are in the first shard
+    row = re.search(r"^ +2500 +1 +(\d+) +(\d+\.\d+)s +(\d+\.\d+)s +(-?\d+\.\d+)s$", out, re.MULTILINE)
+    assert row, out
+    assert int(row[1]) >= 3 * 128, "the replay reads at least the samples the stream had taken"
+    assert float(row[4]) == pytest.approx(float(row[3]) - float(row[2]), abs=1.5e-3)
 
 
 def test_bench_memory_reads_every_sample_in_a_fresh_process(runs: dict[str, subprocess.Popen]) -> None:
