@@ -216,11 +216,25 @@ def test_the_tools_folder_holds_tools_and_their_one_kit() -> None:
     assert sorted(p.name for p in (ROOT / "tools").glob("*.py")) == sorted([*TOOLS_RUN, "benchkit.py"])
 
 
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen]]:
+    """Every tool's `--help`, started at once: their imports overlap."""
+    folder = tmp_path_factory.mktemp("helps")
+    started = {tool: subprocess.Popen([sys.executable, str(ROOT / "tools" / tool), "--help"], cwd=folder, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment())
+               for tool in TOOLS_RUN}
+    yield started
+    for process in started.values():
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.parametrize("tool", TOOLS_RUN)
-def test_every_tool_says_how_to_use_it(tool: str, tmp_path: Path) -> None:
-    result, _ = run([sys.executable, str(ROOT / "tools" / tool), "--help"], tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("usage:")
+def test_every_tool_says_how_to_use_it(tool: str, helps: dict[str, subprocess.Popen]) -> None:
+    out, err = helps[tool].communicate(timeout=300)
+    assert helps[tool].returncode == 0, err[-2000:]
+    assert out.startswith("usage:")
 
 
 def free_port() -> int:
@@ -316,6 +330,7 @@ def gcs(user: Path) -> Iterator[dict[str, str]]:
     server.stop()
 
 
+@pytest.mark.slow  # two processes as the torchrun recipe's, started as SLURM tasks (~30 s)
 def test_readme_slurm_recipe_as_two_local_tasks(user: Path, gcs: dict[str, str]) -> None:
     sbatch = {c[1]: c[2] for c in COMMANDS if c[0] == "#SBATCH" and len(c) > 2}
     assert sbatch["--nodes"] == "4" and sbatch["--ntasks-per-node"] == "8"  # shrunk to 1 node x 2 tasks below

@@ -129,6 +129,7 @@ def test_ddp_classifier_tests_each_sample_once(tmp_path: Path, data: dict[str, s
         assert accuracy[2][name] == pytest.approx(value, abs=1e-6), name
 
 
+@pytest.mark.slow  # waits out a DDP timeout (~20 s)
 def test_a_stuck_rank_stops_the_run_within_the_timeout_naming_the_stage(tmp_path: Path, data: dict[str, str]) -> None:
     config = str(ROOT / "configs" / "pretrain" / "demo.yaml")
     short = tmp_path / "timeout.yaml"

@@ -82,6 +82,7 @@ def test_no_host_sync_in_training_steps_between_logging_steps(tmp_path: Path, mo
     assert not quiet, f"host syncs outside logging steps: {quiet}"
 
 
+@pytest.mark.slow  # compiles the model twice (~20 s on two cores)
 def test_compiled_steps_do_not_recompile_after_warm_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo
     from torch._dynamo.utils import counters
