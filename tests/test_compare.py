@@ -9,6 +9,8 @@ import sys
 from PIL import Image
 from workspace import ROOT, environment
 
+from mpp.eval.linear import DEFAULTS
+
 
 def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
     env = environment()
@@ -21,11 +23,21 @@ def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
     table = (tmp_path / "comparison.md").read_text()
     assert "| MPP pretrained, fine-tuned |" in table and "| from scratch |" in table
     assert "top-1 (sample)" in table and "5-shot" in table and "difference" in table
+    assert "| 1-shot | 5-shot | k-NN | linear probe | steps |" in table
     numbers = json.loads((tmp_path / "comparison.json").read_text())
     assert numbers["steps"] == {"finetune": 3, "scratch": 3}
     for arm in ("finetune", "scratch"):
         assert 0.0 <= numbers["test_accuracy"][arm]["sample"] <= 1.0
-        assert set(numbers["fewshot"][arm]) == {"1", "5"}
+    # Every encoder scored frozen: the pretrained one and both arms', each by few-shot, k-NN and the probe.
+    for key in ("pretrained", "finetune", "scratch"):
+        assert set(numbers["fewshot"][key]) == {"1", "5"}
+        assert 0.0 <= numbers["knn"][key] <= 1.0 and 0.0 <= numbers["linear"][key] <= 1.0
+        assert numbers["linear_l2"][key] in DEFAULTS.probe_l2s
+    for arm, label in (("finetune", "MPP pretrained, fine-tuned"), ("scratch", "from scratch")):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {label} |"))
+        assert f"| {100 * numbers['knn'][arm]:.1f}% | {100 * numbers['linear'][arm]:.1f}% | 3 |" in row
+    pretrained = numbers["knn"]["pretrained"], numbers["linear"]["pretrained"]
+    assert f"k-NN {100 * pretrained[0]:.1f}%, linear probe {100 * pretrained[1]:.1f}%" in table
     # The pretraining checkpoint was the one fine-tuned: its run folder holds it.
     assert (tmp_path / "pretrain" / "checkpoints" / "last.ckpt").is_file()
     with Image.open(tmp_path / "comparison.png") as plot:

@@ -1,6 +1,7 @@
 """Does masked patch prediction help? Pretrain, then fine-tune the pretrained encoder next to
 the same classifier trained from scratch — same labels, augmentation, steps and evaluation —
-and write a markdown table and a plot of validation accuracy against step.
+and write a markdown table and a plot of validation accuracy against step. The table scores every
+encoder frozen too (the pretrained one and both arms'): few-shot, k-NN and linear probe.
 
     python tools/compare.py                                   # the demo configs, embedded sample
     python tools/compare.py --pretrained runs/demo/pretrain/checkpoints/last.ckpt \\
@@ -28,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from mpp.config import read_config  # noqa: E402
-from mpp.eval.fewshot import evaluate_checkpoint  # noqa: E402
+from mpp.eval.fewshot import FrozenScores, evaluate_checkpoint  # noqa: E402
 from mpp.eval.records import history  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     wall: dict[str, float] = {}
     pretrained = args.pretrained
     if pretrained is None:
-        steps = ["--trainer.max_steps", str(args.pretrain_steps)] if args.pretrain_steps else []
+        limit = ["--trainer.max_steps", str(args.pretrain_steps)] if args.pretrain_steps else []
         wall["pretrain"] = mpp(
-            "fit", "--config", args.pretrain, "--trainer.default_root_dir", str(out / "pretrain"), *steps
+            "fit", "--config", args.pretrain, "--trainer.default_root_dir", str(out / "pretrain"), *limit
         )
         pretrained = str(out / "pretrain" / "checkpoints" / "last.ckpt")
 
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
     fewshot_train = args.train or read_config(ROOT / args.finetune)["data"]["train"]  # the arms' labelled shards
     first_test = next(iter(tests.values()))
-    fewshot = {
-        key: evaluate_checkpoint(path, train=fewshot_train, test=first_test, shots=args.shots)[0]
+    frozen = {
+        key: evaluate_checkpoint(path, train=fewshot_train, test=first_test, shots=args.shots)
         for key, path in {
             "pretrained": pretrained,
             **{arm: str(out / arm / "checkpoints" / "last.ckpt") for arm in ARMS},
@@ -142,33 +143,55 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {arm: {name: logged(out / arm / f"test-{name}", "test/accuracy") for name in tests} for arm in ARMS}
     steps = {arm: torch.load(out / arm / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] for arm in ARMS}
-    table = render(results, fewshot, steps, wall, tests, args)
+    table = render(results, frozen, steps, wall, tests, args)
     (out / "comparison.md").write_text(table + "\n")
-    (out / "comparison.json").write_text(
-        json.dumps({"test_accuracy": results, "fewshot": fewshot, "steps": steps, "wall_seconds": wall}, indent=2)
-    )
+    numbers = {
+        "test_accuracy": results,
+        "fewshot": {key: scores.fewshot for key, scores in frozen.items()},
+        "knn": {key: scores.knn for key, scores in frozen.items()},
+        "linear": {key: scores.linear for key, scores in frozen.items()},
+        "linear_l2": {key: scores.linear_l2 for key, scores in frozen.items()},
+        "steps": steps,
+        "wall_seconds": wall,
+    }
+    (out / "comparison.json").write_text(json.dumps(numbers, indent=2))
     plot({ARMS[arm]: curve(out / arm, "val/accuracy") for arm in ARMS}, out / "comparison.png")
     print(table)
     print(f"\ntable: {out / 'comparison.md'}\nplot: {out / 'comparison.png'}\nruns: {out}")
     return 0
 
 
-def render(results: dict, fewshot: dict, steps: dict, wall: dict, tests: dict, args: argparse.Namespace) -> str:
-    """The comparison as a markdown table."""
-    shots = " | ".join(f"{n}-shot" for n in args.shots)
-    header = "| arm | " + " | ".join(f"top-1 ({name})" for name in tests) + f" | {shots} | steps | wall time |"
+def frozen_cells(scores: FrozenScores, shots: list[int]) -> list[str]:
+    """A frozen encoder's few-shot, k-NN and linear-probe accuracies, as the table's cells."""
+    accuracies = [*(scores.fewshot[n] for n in shots), scores.knn, scores.linear]
+    return [f"{100 * accuracy:.1f}%" for accuracy in accuracies]
+
+
+def render(
+    results: dict, frozen: dict[str, FrozenScores], steps: dict, wall: dict, tests: dict, args: argparse.Namespace
+) -> str:
+    """The comparison as a markdown table: each arm's test accuracy, then its encoder's frozen scores."""
+    scored = [f"{n}-shot" for n in args.shots] + ["k-NN", "linear probe"]
+    header = "| arm | " + " | ".join([*(f"top-1 ({name})" for name in tests), *scored]) + " | steps | wall time |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for arm, label in ARMS.items():
-        top1 = " | ".join(f"{100 * results[arm][name]:.1f}%" for name in tests)
-        few = " | ".join(f"{100 * fewshot[arm][n]:.1f}%" for n in args.shots)
-        lines.append(f"| {label} | {top1} | {few} | {steps[arm]} | {wall[arm] / 60:.1f} min |")
-    deltas = " | ".join(f"{100 * (results['finetune'][n] - results['scratch'][n]):+.1f} pts" for n in tests)
-    lines.append(f"| difference | {deltas} | " + " | ".join("" for _ in args.shots) + " | | |")
-    few = ", ".join(f"{n}-shot {100 * fewshot['pretrained'][n]:.1f}%" for n in args.shots)
+        top1 = [f"{100 * results[arm][name]:.1f}%" for name in tests]
+        cells = " | ".join([*top1, *frozen_cells(frozen[arm], args.shots)])
+        lines.append(f"| {label} | {cells} | {steps[arm]} | {wall[arm] / 60:.1f} min |")
+    deltas = [f"{100 * (results['finetune'][n] - results['scratch'][n]):+.1f} pts" for n in tests]
+    lines.append("| difference | " + " | ".join([*deltas, *("" for _ in scored)]) + " | | |")
+    pretrained = frozen["pretrained"]
+    cells = ", ".join(f"{name} {cell}" for name, cell in zip(scored, frozen_cells(pretrained, args.shots)))
     pretraining = (
         f"pretraining {wall['pretrain'] / 60:.1f} min" if "pretrain" in wall else f"pretrained: {args.pretrained}"
     )
-    lines += ["", f"Frozen pretrained encoder before fine-tuning: {few} ({pretraining})."]
+    lines += [
+        "",
+        f"Frozen pretrained encoder before fine-tuning: {cells} ({pretraining}).",
+        f"Frozen encoders are scored on the first test set's {pretrained.test} images; k-NN and the linear probe "
+        f"learn from all {pretrained.train} training labels (the probe of the pretrained encoder chose l2 "
+        f"{pretrained.linear_l2:g} on held-out training features).",
+    ]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Few-shot linear accuracy (section 4.1) of any mpp checkpoint's frozen encoder, as a markdown table.
+"""Few-shot (section 4.1), k-NN and linear-probe accuracy of any mpp checkpoint's frozen encoder, as markdown tables.
 
 Examples:
     python tools/fewshot.py runs/demo/pretrain/checkpoints/last.ckpt \\
@@ -13,20 +13,27 @@ import sys
 
 import torch
 
-from mpp.eval.fewshot import evaluate_checkpoint
+from mpp.eval.fewshot import FrozenScores, evaluate_checkpoint
 from mpp.eval.linear import DEFAULTS
 from mpp.model.pixels import pair
 
 
-def render(path: str, results: dict[int, float], *, seeds: int, train: int, test: int) -> str:
-    """The markdown table: one row per n."""
+def render(path: str, scores: FrozenScores, *, seeds: int, knn_k: int, knn_temperature: float, held_out: float) -> str:
+    """The markdown tables: one row per n, then k-NN and the linear probe from all the training labels."""
     lines = [
-        f"Few-shot linear accuracy of {path} ({train} train / {test} test images, mean of {seeds} seeds)",
+        f"Few-shot linear accuracy of {path} ({scores.train} train / {scores.test} test images, mean of {seeds} seeds)",
         "",
         "| shots | accuracy |",
         "|---:|---:|",
     ]
-    lines += [f"| {n} | {100 * accuracy:.1f}% |" for n, accuracy in results.items()]
+    lines += [f"| {n} | {100 * accuracy:.1f}% |" for n, accuracy in scores.fewshot.items()]
+    lines += [
+        "",
+        f"| all {scores.train} training labels | accuracy |",
+        "|---|---:|",
+        f"| k-NN (k={knn_k}, temperature {knn_temperature:g}) | {100 * scores.knn:.1f}% |",
+        f"| linear probe (l2 {scores.linear_l2:g}, chosen on {100 * held_out:g}% held out) | {100 * scores.linear:.1f}% |",
+    ]
     return "\n".join(lines)
 
 
@@ -52,7 +59,27 @@ def argument_parser() -> argparse.ArgumentParser:
         "--max-test", type=int, default=DEFAULTS.max_test, help=f"test samples read, in shard order{DEFAULT}"
     )
     parser.add_argument("--image-size", type=int, nargs="+", help="H [W] (default: the encoder's)")
-    parser.add_argument("--l2", type=float, default=DEFAULTS.l2, help=f"ridge regulariser{DEFAULT}")
+    parser.add_argument("--l2", type=float, default=DEFAULTS.l2, help=f"few-shot ridge regulariser{DEFAULT}")
+    parser.add_argument("--knn-k", type=int, default=DEFAULTS.knn_k, help=f"k-NN: the neighbours that vote{DEFAULT}")
+    parser.add_argument(
+        "--knn-temperature",
+        type=float,
+        default=DEFAULTS.knn_temperature,
+        help=f"k-NN: T of a vote exp(cosine similarity / T){DEFAULT}",
+    )
+    parser.add_argument(
+        "--probe-l2s",
+        type=float,
+        nargs="+",
+        default=list(DEFAULTS.probe_l2s),
+        help=f"linear probe: the ridge regularisers to choose from{DEFAULT}",
+    )
+    parser.add_argument(
+        "--probe-held-out",
+        type=float,
+        default=DEFAULTS.probe_held_out,
+        help=f"linear probe: the fraction of the training features its l2 is chosen on{DEFAULT}",
+    )
     parser.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size, help=f"images per forward pass{DEFAULT}")
     parser.add_argument(
         "--num-workers",
@@ -82,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.image_size:
         image_size = pair(args.image_size[0] if len(args.image_size) == 1 else args.image_size)
     try:
-        results, train, test = evaluate_checkpoint(
+        scores = evaluate_checkpoint(
             args.checkpoint,
             train=args.train,
             test=args.test,
@@ -93,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             max_test=args.max_test,
             image_size=image_size,
             l2=args.l2,
+            knn_k=args.knn_k,
+            knn_temperature=args.knn_temperature,
+            probe_l2s=args.probe_l2s,
+            probe_held_out=args.probe_held_out,
             batch_size=args.batch_size,
             num_workers=args.num_workers,
             eval_crop_fraction=args.eval_crop_fraction,
@@ -102,7 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(render(args.checkpoint, results, seeds=args.seeds, train=train, test=test))
+    print(
+        render(
+            args.checkpoint,
+            scores,
+            seeds=args.seeds,
+            knn_k=args.knn_k,
+            knn_temperature=args.knn_temperature,
+            held_out=args.probe_held_out,
+        )
+    )
     return 0
 
 

@@ -1,10 +1,12 @@
-"""Few-shot accuracy of a frozen encoder (mpp.eval.linear) on labelled shards: a callback that
-measures it during training, and evaluate_checkpoint for any mpp checkpoint.
+"""Few-shot, k-NN and linear-probe accuracy of a frozen encoder (mpp.eval.linear, mpp.eval.knn) on
+labelled shards, all three from one extraction of its features: a callback that measures them during
+training, and evaluate_checkpoint for any mpp checkpoint.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import pytorch_lightning as pl
@@ -13,7 +15,8 @@ from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
 from mpp.data.module import ShardDataModule, ShardSpec
-from mpp.eval.linear import DEFAULTS, fewshot_evaluation
+from mpp.eval.knn import knn_accuracy
+from mpp.eval.linear import DEFAULTS, fewshot_evaluation, linear_probe
 from mpp.model.checkpoint import encoder_and_normalisation
 from mpp.model.pixels import to_unit_range
 from mpp.model.vit import ViT
@@ -66,6 +69,56 @@ def extract_features(
     return torch.cat(features), torch.cat(labels)
 
 
+@dataclass(frozen=True)
+class FrozenScores:
+    """What one evaluation of a frozen encoder measured, on `train` training and `test` test features."""
+
+    fewshot: dict[int, float]  # {n: accuracy from n examples per class, the mean over seeds}
+    knn: float  # k-NN accuracy from all training labels
+    linear: float  # linear-probe accuracy from all training labels
+    linear_l2: float  # the probe's l2, chosen on held-out training features
+    train: int
+    test: int
+
+    def metrics(self) -> dict[str, float]:
+        """The logged names: fewshot/<n>shot, fewshot/knn, fewshot/linear and fewshot/linear_l2."""
+        shots = {f"fewshot/{n}shot": accuracy for n, accuracy in self.fewshot.items()}
+        return {**shots, "fewshot/knn": self.knn, "fewshot/linear": self.linear, "fewshot/linear_l2": self.linear_l2}
+
+
+def score_features(
+    features: Tensor,
+    labels: Tensor,
+    test_features: Tensor,
+    test_labels: Tensor,
+    *,
+    num_classes: int,
+    shots: Sequence[int],
+    seeds: int,
+    l2: float,
+    knn_k: int,
+    knn_temperature: float,
+    probe_l2s: Sequence[float],
+    probe_held_out: float,
+) -> FrozenScores:
+    """(N, D), (N,), (M, D), (M,) -> few-shot, k-NN and linear-probe accuracy on the same features."""
+    probe = linear_probe(
+        features, labels, test_features, test_labels, num_classes=num_classes, l2s=probe_l2s, held_out=probe_held_out
+    )
+    return FrozenScores(
+        fewshot=fewshot_evaluation(
+            features, labels, test_features, test_labels, shots=shots, seeds=seeds, num_classes=num_classes, l2=l2
+        ),
+        knn=knn_accuracy(
+            features, labels, test_features, test_labels, num_classes=num_classes, k=knn_k, temperature=knn_temperature
+        ),
+        linear=probe.accuracy,
+        linear_l2=probe.l2,
+        train=len(labels),
+        test=len(test_labels),
+    )
+
+
 def limited(loader: Iterable[dict[str, Tensor]], limit: int) -> Iterable[dict[str, Tensor]]:
     """The first `limit` samples of a loader's batches (the last batch cut to fit)."""
     seen = 0
@@ -78,8 +131,10 @@ def limited(loader: Iterable[dict[str, Tensor]], limit: int) -> Iterable[dict[st
 
 
 class FewShotEvaluation(pl.Callback):
-    """Logs `fewshot/<n>shot` (linear few-shot accuracy of the frozen encoder's y) at the start of
-    training, every `every_n_steps` steps and at the end, on rank zero.
+    """Logs `fewshot/<n>shot` (linear few-shot accuracy of the frozen encoder's y), `fewshot/knn` and
+    `fewshot/linear` (k-NN and linear-probe accuracy from all the training labels read) and
+    `fewshot/linear_l2` (the probe's chosen l2) at the start of training, every `every_n_steps` steps
+    and at the end, on rank zero. The three come from one extraction of the features.
 
     Uses the module's `encoder` and `normalise`, so it runs under pretraining and fine-tuning alike.
     Features come from the first `max_train` samples of `train` (labelled shards that mix the
@@ -96,9 +151,14 @@ class FewShotEvaluation(pl.Callback):
         shots: n, the training examples per class.
         seeds: draws of the n examples, averaged.
         every_n_steps: how often to evaluate.
-        max_train: training samples read (enough for max(shots) of every class).
+        max_train: training samples read (enough for max(shots) of every class); k-NN and the probe use all.
         max_test: test samples read.
-        l2: the ridge regulariser.
+        l2: the few-shot ridge regulariser.
+        knn_k: the neighbours that vote.
+        knn_temperature: T of a neighbour's vote exp(cosine similarity / T).
+        probe_l2s: the linear probe's ridge regularisers to choose from.
+        probe_held_out: the fraction of the training features the probe's l2 is chosen on, before it is
+            refitted on all of them.
         batch_size: images per forward pass.
         num_workers: DataLoader workers (0 reads in the training process; more reorder the samples).
         eval_crop_fraction: as ShardDataModule's.
@@ -118,6 +178,10 @@ class FewShotEvaluation(pl.Callback):
         max_train: int = DEFAULTS.max_train,
         max_test: int = DEFAULTS.max_test,
         l2: float = DEFAULTS.l2,
+        knn_k: int = DEFAULTS.knn_k,
+        knn_temperature: float = DEFAULTS.knn_temperature,
+        probe_l2s: Sequence[float] = DEFAULTS.probe_l2s,
+        probe_held_out: float = DEFAULTS.probe_held_out,
         batch_size: int = DEFAULTS.batch_size,
         num_workers: int = DEFAULTS.num_workers,
         eval_crop_fraction: float = DEFAULTS.eval_crop_fraction,
@@ -130,7 +194,18 @@ class FewShotEvaluation(pl.Callback):
             raise ValueError(
                 f"FewShotEvaluation.max_train={max_train} cannot hold {max(shots)} shots of {num_classes} classes"
             )
+        if knn_k < 1 or knn_temperature <= 0:
+            raise ValueError(
+                f"FewShotEvaluation.knn_k must be at least 1 and knn_temperature positive, got {knn_k} and {knn_temperature}"
+            )
+        if not probe_l2s or min(probe_l2s) <= 0 or not 0 < probe_held_out < 1:
+            raise ValueError(
+                "FewShotEvaluation.probe_l2s must be positive values and probe_held_out a fraction between 0 and 1, "
+                f"got {list(probe_l2s)} and {probe_held_out}"
+            )
         self.num_classes, self.shots, self.seeds, self.l2 = num_classes, tuple(shots), seeds, l2
+        self.knn_k, self.knn_temperature = knn_k, knn_temperature
+        self.probe_l2s, self.probe_held_out = tuple(probe_l2s), probe_held_out
         self.every_n_steps, self.max_train, self.max_test = every_n_steps, max_train, max_test
         self.data = fewshot_data(
             train,
@@ -142,7 +217,7 @@ class FewShotEvaluation(pl.Callback):
             channels=channels,
         )
         self.last_step: int | None = None
-        self.history: dict[int, dict[int, float]] = {}
+        self.history: dict[int, FrozenScores] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, FSDPStrategy):
@@ -155,28 +230,31 @@ class FewShotEvaluation(pl.Callback):
         except ValueError as error:
             raise ValueError(f"FewShotEvaluation: {error}".replace("data.", "FewShotEvaluation.")) from None
 
-    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[int, float]:
-        """Extract both feature sets with the current encoder, fit and score every n; log the results."""
+    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FrozenScores:
+        """Extract both feature sets with the current encoder, score every n, k-NN and the probe on them; log the scores."""
         step = trainer.global_step
         with trainer.precision_plugin.forward_context():
             features, labels = self._features(pl_module, self.data.val_dataloader(), self.max_train)
             test_features, test_labels = self._features(pl_module, self.data.test_dataloader(), self.max_test)
-        results = fewshot_evaluation(
+        scores = score_features(
             features,
             labels,
             test_features,
             test_labels,
+            num_classes=self.num_classes,
             shots=self.shots,
             seeds=self.seeds,
-            num_classes=self.num_classes,
             l2=self.l2,
+            knn_k=self.knn_k,
+            knn_temperature=self.knn_temperature,
+            probe_l2s=self.probe_l2s,
+            probe_held_out=self.probe_held_out,
         )
-        self.history[step], self.last_step = results, step
+        self.history[step], self.last_step = scores, step
         # Straight to the loggers: this also runs in on_train_end, where `self.log` is not allowed.
-        metrics = {f"fewshot/{n}shot": accuracy for n, accuracy in results.items()}
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-        return results
+            logger.log_metrics(scores.metrics(), step=step)
+        return scores
 
     @staticmethod
     def _features(
@@ -214,17 +292,22 @@ def evaluate_checkpoint(
     max_test: int = DEFAULTS.max_test,
     image_size: int | tuple[int, int] | None = None,
     l2: float = DEFAULTS.l2,
+    knn_k: int = DEFAULTS.knn_k,
+    knn_temperature: float = DEFAULTS.knn_temperature,
+    probe_l2s: Sequence[float] = DEFAULTS.probe_l2s,
+    probe_held_out: float = DEFAULTS.probe_held_out,
     batch_size: int = DEFAULTS.batch_size,
     num_workers: int = DEFAULTS.num_workers,
     eval_crop_fraction: float = DEFAULTS.eval_crop_fraction,
     device: torch.device | str = "cpu",
     precision: str | None = None,
-) -> tuple[dict[int, float], int, int]:
-    """Few-shot accuracy of any mpp checkpoint's frozen encoder -> ({n: accuracy}, train count, test count).
+) -> FrozenScores:
+    """Few-shot, k-NN and linear-probe accuracy of any mpp checkpoint's frozen encoder, and the counts of
+    training and test features they came from (the arguments: FewShotEvaluation's).
 
-    The n-shot examples come from the first `max_train` samples of `train`, in shard order. The
-    features are computed under bf16 autocast if `precision` is a bf16 one; None: the precision
-    `mpp fit` takes on this device when a config names none (mpp.precision).
+    The n-shot examples come from the first `max_train` samples of `train`, in shard order; k-NN and
+    the probe take all of them. The features are computed under bf16 autocast if `precision` is a
+    bf16 one; None: the precision `mpp fit` takes on this device when a config names none (mpp.precision).
     """
     device_type = torch.device(device).type
     if precision is None:
@@ -247,9 +330,19 @@ def evaluate_checkpoint(
             encoder, limited(data.test_dataloader(), max_test), normalise=normalise, device=device
         )
     if labels.min() < 0 or test_labels.min() < 0:
-        raise ValueError("the shards hold unlabelled samples; few-shot evaluation needs `.cls` labels")
+        raise ValueError("the shards hold unlabelled samples; few-shot, k-NN and probe evaluation need `.cls` labels")
     num_classes = num_classes or int(max(labels.max(), test_labels.max())) + 1
-    results = fewshot_evaluation(
-        features, labels, test_features, test_labels, shots=shots, seeds=seeds, num_classes=num_classes, l2=l2
+    return score_features(
+        features,
+        labels,
+        test_features,
+        test_labels,
+        num_classes=num_classes,
+        shots=shots,
+        seeds=seeds,
+        l2=l2,
+        knn_k=knn_k,
+        knn_temperature=knn_temperature,
+        probe_l2s=probe_l2s,
+        probe_held_out=probe_held_out,
     )
-    return results, len(labels), len(test_labels)

@@ -1,5 +1,6 @@
 """Few-shot linear evaluation: the closed-form regression separates what is separable and no more,
-averages over seeds, and runs as a callback in a real pretraining fit and as a tool."""
+averages over seeds, and runs — with k-NN and the linear probe, on features extracted once — as a
+callback in a real pretraining fit and as a tool."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ from PIL import Image
 from shardkit import encode, write_shard
 from workspace import ROOT
 
+import mpp.eval.fewshot
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
 from mpp.eval.fewshot import (
     DEFAULTS,
     FewShotEvaluation,
     evaluate_checkpoint,
     extract_features,
+    score_features,
 )
-from mpp.eval.linear import fewshot_accuracy, fewshot_evaluation, pick_shots
+from mpp.eval.knn import knn_accuracy, knn_predictions
+from mpp.eval.linear import choose_l2, fewshot_accuracy, fewshot_evaluation, linear_probe, pick_shots
 
 
 def fewshot_tool():
@@ -95,8 +99,15 @@ def labelled_shards(folder: Path, prefix: str, count: int) -> str:
     return write_shard(folder / f"{prefix}-000000.tar", (record(i) for i in range(count)))
 
 
-def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_the_checkpoint(tmp_path):
+def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_the_checkpoint(tmp_path, monkeypatch):
     pl.seed_everything(0)
+    extractions = []  # one per feature set: k-NN and the probe take the few-shot features, not their own
+
+    def counted(*args, **kwargs):
+        extractions.append(1)
+        return extract_features(*args, **kwargs)
+
+    monkeypatch.setattr(mpp.eval.fewshot, "extract_features", counted)
     train = labelled_shards(tmp_path / "shards", "train", 48)
     test = labelled_shards(tmp_path / "shards", "test", 30)
     encoder = ViTConfig(image_size=16, patch_size=4, dim=32, depth=1, heads=2, mlp_dim=64)
@@ -109,14 +120,19 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(model, data)
     # At the start, every 2 steps and at the end (step 5).
-    assert sorted(callback.history) == [0, 2, 4, 5]
+    assert sorted(callback.history) == [0, 2, 4, 5] and len(extractions) == 2 * 4  # train and test, 4 times
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row.get("fewshot/1shot")]
     assert [int(row["step"]) for row in rows] == [0, 2, 4, 5]
     for row in rows:
-        # Flat colours, one per class: the frozen features separate them from one example each.
-        assert float(row["fewshot/1shot"]) == pytest.approx(callback.history[int(row["step"])][1])
+        scores = callback.history[int(row["step"])]
+        assert scores.train == 30 and scores.test == 30
+        # Flat colours, one per class: the frozen features separate them from one example each,
+        # and so from all 30 labels, by neighbours or by the probe.
+        assert float(row["fewshot/1shot"]) == pytest.approx(scores.fewshot[1])
         assert float(row["fewshot/2shot"]) == 1.0
+        assert float(row["fewshot/knn"]) == scores.knn == 1.0 and float(row["fewshot/linear"]) == scores.linear == 1.0
+        assert float(row["fewshot/linear_l2"]) == scores.linear_l2 and scores.linear_l2 in DEFAULTS.probe_l2s
     assert model.encoder.training  # the evaluation handed the encoder back in training mode
 
     trainer.save_checkpoint(tmp_path / "mpp.ckpt")
@@ -127,8 +143,27 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
                                     "--precision", "32-true"])  # the callback's, under this Trainer
     assert code == 0
     table = out.getvalue()
+    assert "(30 train / 30 test images, mean of 2 seeds)" in table
     assert "| shots | accuracy |" in table and "| 2 | 100.0% |" in table
-    assert f"| 1 | {100 * callback.history[5][1]:.1f}% |" in table
+    assert f"| 1 | {100 * callback.history[5].fewshot[1]:.1f}% |" in table
+    assert "| all 30 training labels | accuracy |" in table and "| k-NN (k=20, temperature 0.07) | 100.0% |" in table
+    assert f"| linear probe (l2 {callback.history[5].linear_l2:g}, chosen on 20% held out) | 100.0% |" in table
+
+
+def test_one_set_of_features_is_scored_by_every_evaluation_as_each_alone_scores_it():
+    features, labels = clusters(30, classes=4, dim=8, noise=12.0)
+    test_features, test_labels = clusters(30, classes=4, dim=8, noise=12.0, seed=1)
+    scores = score_features(features, labels, test_features, test_labels, num_classes=4, shots=(1, 5), seeds=2,
+                            l2=DEFAULTS.l2, knn_k=5, knn_temperature=0.5, probe_l2s=(1.0, 64.0), probe_held_out=0.25)
+    probe = linear_probe(features, labels, test_features, test_labels, num_classes=4, l2s=(1.0, 64.0), held_out=0.25)
+    assert scores.fewshot == fewshot_evaluation(features, labels, test_features, test_labels, shots=(1, 5), seeds=2,
+                                                num_classes=4)
+    assert scores.knn == knn_accuracy(features, labels, test_features, test_labels, num_classes=4, k=5,
+                                      temperature=0.5)
+    assert (scores.linear, scores.linear_l2) == probe and (scores.train, scores.test) == (120, 120)
+    assert scores.metrics() == {"fewshot/1shot": scores.fewshot[1], "fewshot/5shot": scores.fewshot[5],
+                                "fewshot/knn": scores.knn, "fewshot/linear": scores.linear,
+                                "fewshot/linear_l2": scores.linear_l2}
 
 
 def test_features_are_extracted_without_a_graph_and_in_the_asked_precision(tmp_path):
@@ -142,9 +177,13 @@ def test_features_are_extracted_without_a_graph_and_in_the_asked_precision(tmp_p
     torch.testing.assert_close(low, features, rtol=0.05, atol=0.05)
 
 
-def test_callback_refuses_a_train_set_too_small_for_its_shots():
+def test_callback_refuses_a_train_set_too_small_for_its_shots_and_knn_or_probe_settings_that_cannot_work():
     with pytest.raises(ValueError, match="max_train=20"):
         FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, shots=(1, 5), max_train=20)
+    with pytest.raises(ValueError, match="FewShotEvaluation.knn_k must be at least 1"):
+        FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, knn_k=0)
+    with pytest.raises(ValueError, match=r"FewShotEvaluation.probe_l2s .* got \[1.0\] and 1.0"):
+        FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, probe_l2s=[1.0], probe_held_out=1.0)
 
 
 def test_the_callback_the_function_and_the_tool_share_one_set_of_defaults():
@@ -156,9 +195,16 @@ def test_the_callback_the_function_and_the_tool_share_one_set_of_defaults():
     parser.add_class_arguments(FewShotEvaluation, "fewshot")
     parsed = parser.get_defaults().fewshot
     assert {name: parsed[name] for name in wanted} == wanted
-    for function in (evaluate_checkpoint, fewshot_evaluation, fewshot_accuracy):
-        defaults = {name: p.default for name, p in inspect.signature(function).parameters.items() if name in wanted}
+    # The functions' own names for the settings of k-NN and the probe.
+    named = {"k": "knn_k", "temperature": "knn_temperature", "l2s": "probe_l2s", "held_out": "probe_held_out"}
+    functions = (evaluate_checkpoint, fewshot_evaluation, fewshot_accuracy, knn_accuracy, knn_predictions,
+                 linear_probe, choose_l2)
+    for function in functions:
+        parameters = {named.get(name, name): p.default for name, p in inspect.signature(function).parameters.items()}
+        defaults = {name: default for name, default in parameters.items() if name in wanted}
         assert defaults == {name: wanted[name] for name in defaults}, function.__name__
+    assert DEFAULTS.probe_l2s == tuple(4.0**power for power in range(-2, 8))  # as the README and docstrings say
     options = vars(fewshot_tool().argument_parser().parse_args(["a.ckpt", "--train", "a.tar", "--test", "b.tar"]))
     del wanted["every_n_steps"]  # the callback's alone
-    assert {name: options[name] for name in wanted} == {**wanted, "shots": list(DEFAULTS.shots)}
+    lists = {"shots": list(DEFAULTS.shots), "probe_l2s": list(DEFAULTS.probe_l2s)}
+    assert {name: options[name] for name in wanted} == {**wanted, **lists}
