@@ -1,4 +1,5 @@
-"""An encoder out of any mpp checkpoint: its config, its `encoder.*` tensors, its normalisation.
+"""An encoder out of any mpp checkpoint: its config, its `encoder.*` tensors, its normalisation;
+or out of a timm or Hugging Face export (mpp.model.interop).
 
 MaskedPatchPretraining and ImageClassifier write `encoder_config` (plain data) next to the
 state dict; fine-tuning, few-shot evaluation and the tools rebuild the encoder from those
@@ -7,11 +8,19 @@ alone, without the module that wrote them.
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, fields
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from torch import Tensor
 
+from mpp.model import interop
+from mpp.model.interop import Layout
 from mpp.model.pixels import Normalise, pair
 from mpp.model.vit import ViT, ViTConfig
 
@@ -33,29 +42,37 @@ def read_checkpoint(path: str) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def misfit(wanted: Mapping[str, tuple[int, ...]], found: Mapping[str, Tensor]) -> str | None:
+    """None if `found` holds exactly the tensors `wanted` names, in those shapes; else what differs."""
+    missing = sorted(wanted.keys() - found.keys())
+    unexpected = sorted(found.keys() - wanted.keys())
+    mismatched = [
+        f"{name} {tuple(found[name].shape)} (encoder wants {wanted[name]})"
+        for name in sorted(wanted.keys() & found.keys())
+        if tuple(found[name].shape) != wanted[name]
+    ]
+    if not (missing or unexpected or mismatched):
+        return None
+    return f"missing {missing or 'none'}; unexpected {unexpected or 'none'}; other shapes {mismatched or 'none'}"
+
+
 def load_encoder(path: str, *, expected: ViTConfig | None = None, checkpoint: dict[str, Any] | None = None) -> ViT:
-    """The encoder of a checkpoint written by MaskedPatchPretraining or ImageClassifier, built at
-    the checkpoint's image size; only `encoder.*` tensors are read (no heads, no mask token).
+    """The encoder of a checkpoint written by MaskedPatchPretraining or ImageClassifier, or of a timm or
+    Hugging Face export, built at the file's image size; only encoder tensors are read (no heads, no
+    mask token).
 
     Args:
-        path: the `.ckpt` file.
+        path: the `.ckpt` file; or an export: a folder with model.safetensors and config.json, or
+            a `.safetensors` file.
         expected: the encoder the caller configured; every field but image size and dropout
-            must match the checkpoint's, and its dropout is used.
-        checkpoint: the file's contents, where the caller has read them already.
+            must match the file's, and its dropout is used (and its heads, for an export that
+            does not say them).
+        checkpoint: the `.ckpt` file's contents, where the caller has read them already.
     """
-    if checkpoint is None:
-        checkpoint = read_checkpoint(path)
-    if "encoder_config" not in checkpoint or "state_dict" not in checkpoint:
-        raise ValueError(
-            f"checkpoint {path} has no encoder_config or state_dict: give a checkpoint written by "
-            "MaskedPatchPretraining or ImageClassifier (runs/<name>/checkpoints/*.ckpt)"
-        )
-    saved = {
-        f.name: checkpoint["encoder_config"][f.name]
-        for f in fields(ViTConfig)
-        if f.name in checkpoint["encoder_config"]
-    }
-    config = ViTConfig(**saved)
+    if is_export(path):
+        config, weights = read_export(path, heads=expected.heads if expected is not None else None)
+    else:
+        config, weights = _checkpoint_encoder(path, checkpoint if checkpoint is not None else read_checkpoint(path))
     if expected is not None:
         wanted, found = _architecture(asdict(expected)), _architecture(asdict(config))
         differing = [
@@ -67,22 +84,98 @@ def load_encoder(path: str, *, expected: ViTConfig | None = None, checkpoint: di
             )
         config = ViTConfig(**{**asdict(expected), "image_size": config.image_size})
     encoder = ViT(config)
-    weights = {k.removeprefix("encoder."): v for k, v in checkpoint["state_dict"].items() if k.startswith("encoder.")}
-    own = encoder.state_dict()
-    missing = sorted(own.keys() - weights.keys())
-    unexpected = sorted(weights.keys() - own.keys())
-    mismatched = [
-        f"{k} {tuple(weights[k].shape)} (encoder wants {tuple(own[k].shape)})"
-        for k in sorted(own.keys() & weights.keys())
-        if weights[k].shape != own[k].shape
-    ]
-    if missing or unexpected or mismatched:
-        raise ValueError(
-            f"the encoder tensors of checkpoint {path} do not fit the encoder: "
-            f"missing {missing or 'none'}; unexpected {unexpected or 'none'}; other shapes {mismatched or 'none'}"
-        )
+    problem = misfit({name: tuple(value.shape) for name, value in encoder.state_dict().items()}, weights)
+    if problem:
+        raise ValueError(f"the encoder tensors of checkpoint {path} do not fit the encoder: {problem}")
     encoder.load_state_dict(weights, strict=True)
     return encoder
+
+
+def _checkpoint_encoder(path: str, checkpoint: dict[str, Any]) -> tuple[ViTConfig, dict[str, Tensor]]:
+    """An mpp checkpoint's encoder config and `encoder.*` tensors (the prefix removed)."""
+    if "encoder_config" not in checkpoint or "state_dict" not in checkpoint:
+        raise ValueError(
+            f"checkpoint {path} has no encoder_config or state_dict: give a checkpoint written by "
+            "MaskedPatchPretraining or ImageClassifier (runs/<name>/checkpoints/*.ckpt), or a timm or "
+            "Hugging Face export (a folder, or a .safetensors file)"
+        )
+    saved = {
+        f.name: checkpoint["encoder_config"][f.name]
+        for f in fields(ViTConfig)
+        if f.name in checkpoint["encoder_config"]
+    }
+    weights = {k.removeprefix("encoder."): v for k, v in checkpoint["state_dict"].items() if k.startswith("encoder.")}
+    return ViTConfig(**saved), weights
+
+
+def is_export(path: str) -> bool:
+    """Whether `path` names a timm or Hugging Face export (a folder or a .safetensors file), not an mpp .ckpt."""
+    return Path(path).is_dir() or path.endswith(".safetensors")
+
+
+def read_export(path: str, *, heads: int | None = None) -> tuple[ViTConfig, dict[str, Tensor]]:
+    """A timm or Hugging Face export -> our encoder's config and state dict, every tensor checked in
+    the file's own names.
+
+    Args:
+        path: a folder with model.safetensors and config.json, or a .safetensors file (with the
+            config.json beside it, if there is one).
+        heads: the attention heads to assume where no config.json says them.
+    """
+    file = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise ValueError(f"export {path} has no {file.name}")
+    with safe_open(str(file), framework="pt") as opened:
+        tensors = {name: opened.get_tensor(name) for name in opened.keys()}
+    try:
+        layout, tensors = interop.encoder_tensors(tensors)
+        saved_config = file.parent / "config.json"
+        if saved_config.is_file():
+            saved = json.loads(saved_config.read_text())
+            found = interop.config_from_timm(saved) if layout == "timm" else interop.config_from_hf(saved)
+        else:
+            found = _config_from_shapes(tensors, layout, heads)
+        config = ViTConfig(**found)
+    except ValueError as error:
+        raise ValueError(f"export {path}: {error}") from error
+    with torch.device("meta"):  # names and shapes only: no memory, no initialisation
+        own = ViT(config).state_dict()
+    problem = misfit({name: tuple(value.shape) for name, value in interop.to_layout(own, layout).items()}, tensors)
+    if problem:
+        raise ValueError(
+            f"the tensors of {interop.LAYOUT_NAMES[layout]} export {path} do not fit its encoder: {problem}"
+        )
+    return config, interop.from_layout(tensors, layout, list(own))
+
+
+def _config_from_shapes(tensors: Mapping[str, Tensor], layout: Layout, heads: int | None) -> dict[str, Any]:
+    """The config fields a bare state dict's shapes say; heads, which no shape says, come from the caller."""
+
+    def shape(name: str) -> tuple[int, ...]:
+        (theirs, *_) = interop.names_in(layout, name)
+        if theirs not in tensors:
+            raise ValueError(f"it has no {theirs}")
+        return tuple(tensors[theirs].shape)
+
+    dim, channels, patch_h, patch_w = shape("patch_embed.weight")
+    depth = 0
+    while interop.names_in(layout, f"blocks.{depth}.norm1.weight")[0] in tensors:
+        depth += 1
+    patches = shape("pos_embed")[1] - 1
+    grid = math.isqrt(patches)
+    if grid * grid != patches:
+        raise ValueError(f"its {patches} position embeddings are for a grid that is not square: give its config.json")
+    if heads is None:
+        raise ValueError("no tensor says the number of attention heads: give its config.json, or configure the encoder")
+    return {
+        "image_size": (grid * patch_h, grid * patch_w),
+        "patch_size": (patch_h, patch_w),
+        "channels": channels,
+        "dim": dim,
+        "depth": depth,
+        "heads": heads,
+        "mlp_dim": shape("blocks.0.mlp.fc1.weight")[0],
+    }
 
 
 def checkpoint_normalisation(path: str, *, checkpoint: dict[str, Any] | None = None) -> Normalise:

@@ -30,10 +30,11 @@ class ImageClassifier(EncoderModule):
         num_classes: K, the head's outputs; labels must lie in [0, K).
         optimizer: optimiser and schedule (fine-tuning: SGD, momentum 0.9; from scratch: Adam,
             weight decay 0.3).
-        pretrained: a checkpoint of MaskedPatchPretraining (or ImageClassifier) whose encoder
-            initialises this one; its position embeddings are interpolated to `encoder.image_size`.
-            null trains from scratch. Pass `pretrained=None` to `load_from_checkpoint` to restore a
-            classifier without reading the pretraining checkpoint again.
+        pretrained: a checkpoint of MaskedPatchPretraining (or ImageClassifier), or a timm or
+            Hugging Face export (a folder or a .safetensors file, e.g. from tools/export.py), whose
+            encoder initialises this one; its position embeddings are interpolated to
+            `encoder.image_size`. null trains from scratch. Pass `pretrained=None` to
+            `load_from_checkpoint` to restore a classifier without reading the pretraining checkpoint again.
         pixel_mean: normalisation of the encoder's input, one value or one per channel.
         pixel_std: likewise.
         class_names: names of the K classes for the per-class test accuracies (default: indices).

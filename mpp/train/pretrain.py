@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from mpp.model.checkpoint import load_encoder
 from mpp.model.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
 from mpp.model.pixels import to_unit_range
 from mpp.model.targets import TargetConfig, prediction_accuracy, prediction_loss
@@ -39,6 +40,11 @@ class MaskedPatchPretraining(EncoderModule):
         optimizer: optimiser and schedule (the paper: Adam, 2e-4, 10k warmup, cosine).
         corruption: share of patches corrupted and the mask / random / keep split.
         target: what is predicted per corrupted patch.
+        pretrained: continued pretraining: an mpp checkpoint, or a timm or Hugging Face export
+            (tools/export.py), whose encoder initialises this one, its position embeddings
+            interpolated to `encoder.image_size`; the head and mask token start fresh. null (the
+            default) starts from random weights. Pass `pretrained=None` to `load_from_checkpoint`
+            to restore a module without reading that file again.
         pixel_mean: normalisation of the encoder's input, one value or one per channel.
         pixel_std: likewise.
         compile: compile `forward` (targets, corruption, encoder, head) with torch.compile; shapes
@@ -55,6 +61,7 @@ class MaskedPatchPretraining(EncoderModule):
         optimizer: OptimizerConfig,
         corruption: CorruptionConfig = CorruptionConfig(),  # noqa: B008 (frozen: one shared default is safe)
         target: TargetConfig = TargetConfig(),  # noqa: B008
+        pretrained: str | None = None,
         pixel_mean: Sequence[float] = (0.5,),
         pixel_std: Sequence[float] = (0.5,),
         compile: bool = False,
@@ -67,7 +74,11 @@ class MaskedPatchPretraining(EncoderModule):
         super().__init__(encoder, optimizer, pixel_mean, pixel_std, nonfinite_loss)
         self.corruption, self.target = as_config(corruption, CorruptionConfig), as_config(target, TargetConfig)
         self.metric_names = ["loss"] if self.target.kind == "pixels" else ["loss", "mpp_accuracy"]
-        self.encoder = ViT(self.encoder_config)
+        if pretrained is None:
+            self.encoder = ViT(self.encoder_config)
+        else:
+            self.encoder = load_encoder(pretrained, expected=self.encoder_config)
+            self.encoder.resize_positions(self.encoder_config.image_size)
         self.mask_token = nn.Parameter(torch.empty(self.encoder_config.dim))
         nn.init.normal_(self.mask_token, std=0.02)
         patch_size, channels = self.encoder_config.patch_size, self.encoder_config.channels

@@ -1,0 +1,81 @@
+"""Export the encoder of an mpp checkpoint for timm or Hugging Face transformers: model.safetensors and config.json.
+
+Examples:
+    python tools/export.py runs/demo/pretrain/checkpoints/last.ckpt --format hf --out exports/demo-hf
+    python tools/export.py runs/demo/pretrain/checkpoints/last.ckpt --format timm --out exports/demo-timm
+
+Load an export with `transformers.ViTModel.from_pretrained("exports/demo-hf", add_pooling_layer=False)`
+(its preprocessor_config.json holds the checkpoint's normalisation) or
+`timm.create_model("local-dir:exports/demo-timm", pretrained=True)` (the normalisation is in its
+pretrained_cfg); either computes the encoder's y = LN(z_L^0) as the class token's output. Fine-tune
+from one with `--model.init_args.pretrained exports/demo-hf`.
+
+`--with-head` adds the checkpoint's other tensors (MaskedPatchPretraining: the MPP head `mpp.head.weight`,
+`mpp.head.bias` and the mask token `mpp.mask_token`; ImageClassifier: its classifier as `mpp.head.*`) to
+model.safetensors, and the settings that give them their meaning (target and corruption; num_classes
+and class_names) to config.json under "mpp". The
+libraries do not know these tensors: transformers reports them as unused, and timm loads such a file
+only with `pretrained_strict=False`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mpp.model.checkpoint import checkpoint_normalisation, load_encoder, read_checkpoint
+from mpp.model.interop import EXTRA_PREFIX, LAYOUT_NAMES, Layout, write_export
+
+
+def export(path: str, *, layout: Layout, out: str, with_head: bool) -> list[str]:
+    """Write the checkpoint's encoder (and with `with_head` its other tensors) as `layout` into `out`."""
+    checkpoint = read_checkpoint(path)
+    encoder = load_encoder(path, checkpoint=checkpoint)
+    checkpoint_normalisation(path, checkpoint=checkpoint).check_channels(encoder.config.channels)
+    hyper = checkpoint["hyper_parameters"]  # there: checkpoint_normalisation read it
+    extras, settings = {}, {}
+    if with_head:
+        extras = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("encoder.")}
+        settings = {k: hyper[k] for k in ("target", "corruption", "num_classes", "class_names") if k in hyper}
+    written = write_export(
+        out,
+        encoder.state_dict(),
+        encoder.config,
+        layout,
+        mean=hyper["pixel_mean"],
+        std=hyper["pixel_std"],
+        extras=extras,
+        extra_config=settings,
+    )
+    return [str(file) for file in written]
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a .ckpt written by MaskedPatchPretraining or ImageClassifier")
+    parser.add_argument(
+        "--format", required=True, choices=("timm", "hf"), help="timm, or hf for transformers' ViTModel"
+    )
+    parser.add_argument("--out", required=True, help="the folder to write (made if missing; its files are replaced)")
+    parser.add_argument(
+        "--with-head",
+        action="store_true",
+        help=f"also write the checkpoint's head and mask token, as {EXTRA_PREFIX}* tensors",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argument_parser().parse_args(argv)
+    try:
+        written = export(args.checkpoint, layout=args.format, out=args.out, with_head=args.with_head)
+    except (OSError, ValueError) as error:  # a file that is not there, or not an mpp checkpoint
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"{LAYOUT_NAMES[args.format]} export of {args.checkpoint}:")
+    print("\n".join(f"  {file}" for file in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
