@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
 from pytorch_lightning.cli import (
     LightningArgumentParser,
     LightningCLI,
@@ -94,7 +94,15 @@ class MPPCLI(LightningCLI):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         trainer = super().instantiate_trainer(**kwargs)
         # Lightning sets `callbacks` on the trainer at run time, undeclared.
-        trainer.callbacks.extend([RankFailure(), WandbRunCheckpoint()])  # type: ignore[attr-defined]
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        # Where `rich` is installed (transformers brings it), Lightning swaps its model summary for a rich
+        # table; the console is the same whatever is installed: the plain one, unless the config names one.
+        named = self.config.get(self.subcommand, self.config).trainer.callbacks or []
+        if not any(getattr(c, "class_path", "").endswith("RichModelSummary") for c in named):
+            for index, callback in enumerate(callbacks):
+                if type(callback) is RichModelSummary:
+                    callbacks[index] = ModelSummary(max_depth=callback._max_depth)
+        callbacks.extend([RankFailure(), WandbRunCheckpoint()])
         return trainer
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
