@@ -151,16 +151,19 @@ def test_a_killed_demo_run_resumes_to_the_weights_of_the_run_never_killed(tmp_pa
     for rank in range(devices):
         uninterrupted, before, after = (steps(folder, tag, rank) for tag in ("whole", "killed-1", "killed-2"))
         assert sorted(after) == list(range(8, MAX_STEPS)), "the resumed run starts at its last checkpoint"
-        assert set(before) >= set(range(KILL_AT)) and KILL_AT in before, "killed as step 10 began"
+        assert set(before) >= set(range(8)), "the killed run took the steps its checkpoint holds"
+        if rank == 0:  # the kill came as rank 0 began step 10; another rank may not have got as far
+            assert KILL_AT in before
         for step in range(MAX_STEPS):  # every step trained on the same samples with the same loss
             taken = after.get(step) or before[step]
             assert taken["labels"] == uninterrupted[step]["labels"], f"rank {rank} step {step}"
             assert taken["loss"] == uninterrupted[step]["loss"], f"rank {rank} step {step}"
-        for step in (8, 9):  # taken twice: before the kill and after the resume
+        for step in set(before) & {8, 9}:  # taken twice: before the kill and after the resume
             assert before[step] == after[step]
     first, second = logged_losses(folder, "killed")
     (never_killed,) = logged_losses(folder, "whole")
-    assert {8, 9} <= first.keys() & second.keys()
+    # The rows before the checkpoint are on disk (mpp.train.wandb_run); those of steps 8 and 9 may be lost with the kill.
+    assert set(range(8)) <= first.keys() and sorted(second) == list(range(8, MAX_STEPS))
     for step, loss in {**first, **second}.items():
         assert loss == never_killed[step], f"logged loss of step {step}"
     if "one pass" in variant:  # each pass (epoch) trains on every sample once, across the kill
