@@ -330,7 +330,6 @@ def gcs(user: Path) -> Iterator[dict[str, str]]:
     server.stop()
 
 
-@pytest.mark.slow  # two processes as the torchrun recipe's, started as SLURM tasks (~30 s)
 def test_readme_slurm_recipe_as_two_local_tasks(user: Path, gcs: dict[str, str]) -> None:
     sbatch = {c[1]: c[2] for c in COMMANDS if c[0] == "#SBATCH" and len(c) > 2}
     assert sbatch["--nodes"] == "4" and sbatch["--ntasks-per-node"] == "8"  # shrunk to 1 node x 2 tasks below
