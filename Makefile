@@ -12,7 +12,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 BENCH_VENV  ?= .venv-bench
 BENCH_TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install demo test test-slow bench test-bench clean
+.PHONY: install demo study test test-slow bench test-bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ install: $(VENV)/.installed
 # classifier trained from scratch, and print the comparison (minutes on two CPU cores).
 demo: $(VENV)/.installed
 	$(BIN)/python tools/compare.py --out runs/demo
+
+# Does MPP help? Four arms x 3 seeds x 2 label budgets, learning rates chosen on a held-out split, and the
+# ablation of the objective, into results/study (about 1.5 hours on two CPU cores; it resumes).
+study: $(VENV)/.installed
+	$(BIN)/python tools/study.py --results results/study
 
 # Lint, format and types first (seconds), then the tests.
 test: $(VENV)/.installed

@@ -187,6 +187,9 @@ def tool_arguments(argv: list[str]) -> list[str]:
         return ["--dir", "fashion-mnist-idx", "--limit", "20"]
     if argv[1].endswith("fewshot.py"):
         return ["--max-train", "500", "--max-test", "200", "--num-workers", "0"]
+    if argv[1].endswith("study.py"):  # --full needs Debian's FashionMNIST: what it would run, then
+        return ["--plan"] if "--full" in argv else ["--quick", "--budgets", "1000", "--no-ablation", "--seeds", "2",
+                                                    "--out", "runs/study-readme"]
     return []
 
 
@@ -204,6 +207,9 @@ def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> 
         assert (user / "shards/photos-split/val.json").is_file() and (user / "shards/photos-split/train.json").is_file()
     if argv[1].endswith("inspect_shards.py"):
         assert "verified: 12 samples" in result.stdout
+    if argv[1].endswith("study.py"):
+        shown = "in all: 54 runs, 49,000 optimiser steps" if "--full" in argv else "| MPP pretrained, fine-tuned − from scratch |"
+        assert shown in result.stdout
     if argv[1].endswith("fewshot.py"):
         assert "(500 train / 200 test images" in result.stdout and re.search(r"^\| 25 \| \d+\.\d%", result.stdout, re.M)
 

@@ -1,0 +1,282 @@
+"""Does masked patch prediction help? Four arms over seeds and two label budgets, learning rates chosen
+on a held-out validation split, the test set read once per final run: a table with mean ± std, paired
+differences with 95% intervals, the ablation of the pretraining objective, and plots (mpp.eval.study).
+
+    python tools/study.py                      # the embedded sample: 9,000 pool images, 1,000 held out
+    python tools/study.py --full               # all 60,000 FashionMNIST training images, 10,000 test
+    python tools/study.py --quick --out runs/study-quick   # a few steps, 2 seeds: the plumbing
+
+Splits of the embedded sample (10 shards of 1,000): validation train-000009; the unlabelled pool
+train-000000..8; fine-tuning labels train-000000 (1,000) or train-000000..8 (9,000); supervised
+pretraining on train-000001..8 (labels the 1,000 do not hold; the 9,000 budget has no such images,
+so no supervised arm); test: the 1,000 embedded test images. --full makes shards of the Debian package
+dataset-fashion-mnist (`apt-get install dataset-fashion-mnist`) first, holds out train-000055..59
+(5,000) and fine-tunes on train-000000 (1,000 labels).
+
+Runs resume: the same command again skips finished runs and resumes the others from their last
+checkpoint. Every run folder (under --out/runs) has its log, config, metrics.csv and checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from mpp.eval.study import ARMS, VARIANTS, Settings, Splits, outline, run_study, summarise_study  # noqa: E402
+from mpp.shards.sources import FASHION_MNIST_DIR  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "pretrain": "configs/pretrain/demo.yaml",
+    "finetune": "configs/finetune/demo.yaml",
+    "scratch": "configs/scratch/demo.yaml",
+}
+SAMPLE = "shards/fashion-mnist"
+FULL = "shards/fashion-mnist-full"
+FINETUNE_LRS = (0.003, 0.01, 0.03, 0.06)  # the paper's fine-tuning grid
+SCRATCH_LRS = (3e-4, 1e-3, 3e-3)  # around the demo's 1e-3
+# --quick: small batches, validation on 64 images, no DataLoader workers.
+QUICK = ("--data.batch_size", "16", "--data.num_workers", "0", "--trainer.limit_val_batches", "4")
+
+
+def sample_splits() -> Splits:
+    return Splits(
+        pool=f"{SAMPLE}/train-{{000000..000008}}.tar",
+        val=f"{SAMPLE}/train-000009.tar",
+        test=f"{SAMPLE}/test-000000.tar",
+        labels={1000: f"{SAMPLE}/train-000000.tar", 9000: f"{SAMPLE}/train-{{000000..000008}}.tar"},
+        supervised={1000: f"{SAMPLE}/train-{{000001..000008}}.tar"},
+    )
+
+
+def full_splits() -> Splits:
+    return Splits(
+        pool=f"{FULL}/train-{{000000..000054}}.tar",
+        val=f"{FULL}/train-{{000055..000059}}.tar",
+        test=f"{FULL}/test-{{000000..000009}}.tar",
+        labels={1000: f"{FULL}/train-000000.tar"},
+        supervised={1000: f"{FULL}/train-{{000001..000054}}.tar"},
+    )
+
+
+def make_full_shards() -> None:
+    """All of FashionMNIST as shards of 1,000 (tools/make_shards.py), once."""
+    for split, count in (("train", 60), ("test", 10)):
+        if (ROOT / FULL / f"{split}-{count - 1:06d}.tar").exists():
+            continue
+        if not FASHION_MNIST_DIR.is_dir():
+            raise SystemExit(
+                f"study: --full reads FashionMNIST from {FASHION_MNIST_DIR}: apt-get install dataset-fashion-mnist"
+            )
+        command = [sys.executable, "tools/make_shards.py", "fashion-mnist", "--split", split, "--out", FULL]
+        subprocess.run([*command, "--no-progress", "--overwrite"], cwd=ROOT, check=True)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    quick = args.quick
+    splits = full_splits() if args.full else sample_splits()
+    if args.budgets:
+        splits = Splits(
+            splits.pool,
+            splits.val,
+            splits.test,
+            {b: s for b, s in splits.labels.items() if b in args.budgets},
+            {b: s for b, s in splits.supervised.items() if b in args.budgets},
+        )
+    default_pretrain = 6 if quick else (2000 if args.full else 600)
+    return Settings(
+        splits=splits,
+        configs=CONFIGS,
+        seeds=tuple(range(args.seeds or (2 if quick else 3))),
+        pretrain_steps=args.pretrain_steps or default_pretrain,
+        finetune_steps=args.finetune_steps or (4 if quick else 500),
+        finetune_lrs=(0.01, 0.03) if quick else FINETUNE_LRS,
+        scratch_lrs=(1e-3, 3e-3) if quick else SCRATCH_LRS,
+        ablation=() if args.no_ablation else tuple(v.name for v in VARIANTS[1:]),
+        ablation_seeds=2,
+        overrides=QUICK if quick else (),
+        checkpoint_every=2 if quick else 100,
+        frozen_max_train=1000 if quick else 10000,
+    )
+
+
+def pct(summary: dict[str, Any]) -> str:
+    """mean ± std in percent."""
+    return f"{100 * summary['mean']:.1f} ± {100 * summary['std']:.1f}"
+
+
+def interval(summary: dict[str, Any]) -> str:
+    low, high = summary["low"], summary["high"]
+    span = f"[{100 * low:+.1f}, {100 * high:+.1f}]" if low is not None else "(one seed)"
+    return f"{100 * summary['mean']:+.1f} pts {span}"
+
+
+def render(study: dict[str, Any], command: str) -> str:
+    """The study as markdown: per budget the arms and the paired differences, then the ablation."""
+    s = study["settings"]
+    shots = [f"{n}-shot" for n in s["shots"]]
+    n = len(s["seeds"])
+    lines = [f"Made by `{command}`.", ""]
+    for budget, numbers in study["budgets"].items():
+        lines += [f"### {int(budget):,} labels", ""]
+        header = ["arm", f"test top-1 (mean ± std, {n} seeds)", "lr (validation top-1 per lr)", *shots]
+        header += ["k-NN", "linear probe", "steps"]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for arm in numbers["arms"].values():
+            grid = ", ".join(f"{lr[2:]}: {100 * v:.1f}" for lr, v in arm["val_accuracy_by_lr"].items())
+            frozen = [pct(arm["frozen"][k]) for k in [*shots, "k-NN", "linear probe"]]
+            steps = f"{arm['pretrain_steps']} + {arm['steps']}" if arm["pretrain_steps"] else f"{arm['steps']}"
+            lines.append(
+                f"| {arm['label']} | {pct(arm['test_accuracy'])} | {arm['lr']:g} ({grid}) | "
+                + " | ".join(frozen)
+                + f" | {steps} |"
+            )
+        lines += ["", "| paired difference (test top-1) | mean [95% interval over seeds] |", "|---|---|"]
+        for pair, diff in numbers["differences"].items():
+            a, b = pair.split(" - ")
+            lines.append(f"| {ARMS[a]} − {ARMS[b]} | {interval(diff)} |")
+        lines += ["", "| frozen pretrained encoder | " + " | ".join([*shots, "k-NN", "linear probe"]) + " |"]
+        lines.append("|" + "---|" * (len(shots) + 3))
+        for key, scores in numbers["frozen_pretrained"].items():
+            cells = [pct(scores[k]) for k in [*shots, "k-NN", "linear probe"]]
+            lines.append(f"| {'MPP' if key == 'mpp' else 'supervised'} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if study["ablation"]:
+        seeds = s["ablation_seeds"]
+        lines += [
+            f"### Ablation of the pretraining objective (frozen encoder, validation split, {seeds} seeds)",
+            "",
+            "| objective | " + " | ".join([*shots, "k-NN", "linear probe"]) + " |",
+            "|" + "---|" * (len(shots) + 3),
+        ]
+        for variant in study["ablation"].values():
+            cells = [pct(variant["validation"][k]) for k in [*shots, "k-NN", "linear probe"]]
+            lines.append(f"| {variant['label']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    audit, wall = study["test_set"], study["wall_seconds"]
+    lines += [
+        f"Test set: read {audit['reads']} times by {audit['evaluations']} final evaluations, all after the last "
+        f"choice{'; problems: ' + '; '.join(audit['problems']) if audit['problems'] else ''}.",
+        f"Wall time: {wall['elapsed'] / 60:.0f} min over {wall['attempts']} invocation(s) "
+        f"(run time by kind: {', '.join(f'{k} {v / 60:.0f} min' for k, v in wall['jobs_by_kind'].items())}).",
+    ]
+    return "\n".join(lines)
+
+
+def plot_accuracy(study: dict[str, Any], path: Path) -> None:
+    """Test top-1 per arm and budget: bars of the mean, error bars of the std over seeds."""
+    budgets = list(study["budgets"])
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=120)
+    width = 0.8 / len(ARMS)
+    for index, (arm, label) in enumerate(ARMS.items()):
+        xs, means, stds = [], [], []
+        for position, budget in enumerate(budgets):
+            numbers = study["budgets"][budget]["arms"].get(arm)
+            if numbers:
+                xs.append(position + (index - (len(ARMS) - 1) / 2) * width)
+                means.append(100 * numbers["test_accuracy"]["mean"])
+                stds.append(100 * numbers["test_accuracy"]["std"])
+        axes.bar(xs, means, width, yerr=stds, capsize=3, label=label)
+    axes.set_xticks(range(len(budgets)), [f"{int(b):,} labels" for b in budgets])
+    axes.set_ylabel("test top-1 (%)")
+    low = min(100 * a["test_accuracy"]["mean"] for b in study["budgets"].values() for a in b["arms"].values())
+    axes.set_ylim(max(0, low - 15), None)
+    axes.grid(axis="y", alpha=0.3)
+    axes.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_curves(study: dict[str, Any], path: Path) -> None:
+    """Validation top-1 against optimiser steps (pretraining included), mean over seeds with a ±std band."""
+    budgets = list(study["budgets"])
+    figure, all_axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4), dpi=120, squeeze=False)
+    for axes, budget in zip(all_axes[0], budgets):
+        for arm in study["budgets"][budget]["arms"].values():
+            curves = list(arm["val_curves"].values())
+            steps = [step for step, _ in curves[0]]
+            values = [[100 * v for _, v in curve] for curve in curves if len(curve) == len(steps)]
+            mean = [sum(column) / len(column) for column in zip(*values)]
+            std = [
+                (sum((v - m) ** 2 for v in column) / max(1, len(column) - 1)) ** 0.5
+                for column, m in zip(zip(*values), mean)
+            ]
+            (line,) = axes.plot(steps, mean, marker="o", markersize=3, label=arm["label"])
+            axes.fill_between(
+                steps,
+                [m - d for m, d in zip(mean, std)],
+                [m + d for m, d in zip(mean, std)],
+                color=line.get_color(),
+                alpha=0.2,
+            )
+        axes.set_title(f"{int(budget):,} labels")
+        axes.set_xlabel("optimiser steps, pretraining included")
+        axes.set_ylabel("validation top-1 (%)")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--full", action="store_true", help="all of FashionMNIST (from dataset-fashion-mnist)")
+    parser.add_argument("--quick", action="store_true", help="a few steps and 2 seeds: checks the plumbing")
+    parser.add_argument("--seeds", type=int, help="seeds per arm (default 3; --quick 2)")
+    parser.add_argument("--budgets", type=int, nargs="+", help="label budgets to run (default: all the data has)")
+    parser.add_argument("--pretrain-steps", type=int, help="pretraining steps (default 600; --full 2000)")
+    parser.add_argument("--finetune-steps", type=int, help="fine-tuning steps (default 500)")
+    parser.add_argument("--no-ablation", action="store_true", help="leave out the ablation of the objective")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cores/jobs threads")
+    parser.add_argument("--out", help="folder of the runs and results (default runs/study, runs/study-full)")
+    parser.add_argument("--plan", action="store_true", help="say what the study would run, and stop")
+    parser.add_argument("--results", help="also copy the table, JSON and plots to this folder (e.g. results/study)")
+    args = parser.parse_args(argv)
+    out = Path(args.out or ("runs/study-full" if args.full else "runs/study")).absolute()
+    results = Path(args.results).absolute() if args.results else None
+    os.chdir(ROOT)  # the embedded shards and the configs are named relative to the project
+    command = "python tools/study.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    settings = settings_from(args)
+    if args.plan:
+        print("\n".join(outline(settings)))
+        return 0
+    if args.full:
+        make_full_shards()
+    saved = out / "settings.json"
+    if saved.exists() and json.loads(saved.read_text()) != json.loads(json.dumps(settings.as_dict())):
+        raise SystemExit(f"study: {out} holds a study with other settings; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(settings.as_dict(), indent=1))
+    start = time.time()
+    run_study(settings, out, jobs=args.jobs)
+    study = summarise_study(settings, out)
+    study["command"] = command.strip()
+    table = render(study, command.strip())
+    folders = [out] + ([results] if results else [])
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "study.json").write_text(json.dumps(study, indent=1))
+        (folder / "study.md").write_text(table + "\n")
+        plot_accuracy(study, folder / "accuracy.png")
+        plot_curves(study, folder / "curves.png")
+    print(table)
+    print(f"\nstudy: {time.time() - start:.0f} s this invocation; results in {', '.join(map(str, folders))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
