@@ -188,8 +188,9 @@ def tool_arguments(argv: list[str]) -> list[str]:
     if argv[1].endswith("fewshot.py"):
         return ["--max-train", "500", "--max-test", "200", "--num-workers", "0"]
     if argv[1].endswith("study.py"):  # --full needs Debian's FashionMNIST: what it would run, then
-        return ["--plan"] if "--full" in argv else ["--quick", "--budgets", "1000", "--no-ablation", "--seeds", "2",
-                                                    "--out", "runs/study-readme"]
+        if "--plan" in argv or "--full" in argv:
+            return ["--plan"]
+        return ["--quick", "--budgets", "1000", "--no-ablation", "--seeds", "2", "--out", "runs/study-readme"]
     return []
 
 
@@ -208,8 +209,10 @@ def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> 
     if argv[1].endswith("inspect_shards.py"):
         assert "verified: 12 samples" in result.stdout
     if argv[1].endswith("study.py"):
-        shown = "in all: 54 runs, 49,000 optimiser steps" if "--full" in argv else "| MPP pretrained, fine-tuned − from scratch |"
-        assert shown in result.stdout
+        shown = {"--full": "in all: 46 runs, 33,000 optimiser steps", "--plan": "in all: 82 runs, 33,400 optimiser steps"}
+        assert next((line for flag, line in shown.items() if flag in argv), "| MPP pretrained, fine-tuned − from scratch |") in result.stdout
+    if argv[1].endswith("study.py") and "--results" in argv and "--full" not in argv:
+        assert (user / argv[argv.index("--results") + 1] / "study.json").is_file()
     if argv[1].endswith("fewshot.py"):
         assert "(500 train / 200 test images" in result.stdout and re.search(r"^\| 25 \| \d+\.\d%", result.stdout, re.M)
 

@@ -144,7 +144,7 @@ def supervised_name(budget: int, seed: int) -> str:
 
 
 class Plan:
-    """Which jobs a study runs, given what has finished: `ready(done)` lists the jobs whose inputs
+    """Which jobs a study runs, given what has finished: `ready(results)` lists the jobs whose inputs
     exist, in the order to start them; choices are made as soon as a grid is complete."""
 
     def __init__(self, settings: Settings) -> None:
