@@ -20,6 +20,7 @@ import csv
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -125,6 +126,14 @@ class Job:
     checkpoint: str = ""  # test, frozen: the run (job name) whose last checkpoint is evaluated
     frozen: tuple[str, str] | None = None  # (labelled train shards, test shards) of a frozen evaluation
     reads_test: bool = False
+
+
+def kind_of(job: Job) -> str:
+    """What a job counts as in wall times and outlines: pretrain, supervised, fine-tuning, test or frozen."""
+    if job.kind != "fit":
+        return job.kind
+    first = job.name.split("/")[0]
+    return "fine-tuning" if first.startswith("b") else first
 
 
 def lr_name(lr: float) -> str:
@@ -307,19 +316,20 @@ def metric_curve(path: Path, metric: str) -> list[tuple[int, float]]:
 @contextlib.contextmanager
 def output_to(path: Path) -> Iterator[None]:
     """Send this process's stdout and stderr (and its children's) to a file, at the descriptor level."""
-    import sys
-
-    sys.stdout.flush(), sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
     saved = [os.dup(1), os.dup(2)]
     with path.open("a") as log:
-        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
         try:
             yield
         finally:
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
 
 
 def cli(args: list[str]) -> None:
@@ -395,12 +405,11 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
             result["val_curve"] = curve
             result["val_accuracy"] = curve[-1][1] if curve else None
         elif job.kind == "test":
-            test_folder = folder
-            args = ["test", "--config", job.config, *resolve(job.overrides, out), *run_outputs(test_folder)]
+            args = ["test", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
             args += ["--data.test", settings.splits.test, "--ckpt_path", str(last_checkpoint(out, job.checkpoint))]
             note_test_read(out, job.name)
             cli(args)
-            [(_, accuracy)] = metric_curve(test_folder / "metrics.csv", "test/accuracy")[-1:]
+            [(_, accuracy)] = metric_curve(folder / "metrics.csv", "test/accuracy")[-1:]
             result["test_accuracy"] = accuracy
         if job.frozen is not None:
             checkpoint = last_checkpoint(out, job.checkpoint or job.name)
@@ -582,8 +591,7 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
     attempts = json.loads((out / "attempts.json").read_text()) if (out / "attempts.json").exists() else []
     wall_by_kind: dict[str, float] = {}
     for result in results.values():
-        kind = result["name"].split("/")[0] if result["kind"] == "fit" else result["kind"]
-        kind = "fine-tuning" if kind.startswith("b") else kind
+        kind = kind_of(Job(result["name"], result["kind"]))
         wall_by_kind[kind] = wall_by_kind.get(kind, 0.0) + result["wall_seconds"]
     return {
         "settings": settings.as_dict(),
@@ -609,8 +617,7 @@ def outline(settings: Settings) -> list[str]:
     jobs += plan.evaluations({f"b{b}/{a}": {"lr": s.lrs(a)[0]} for b in s.budgets for a in s.arms(b)})
     counts: dict[str, list[int]] = {}
     for job in jobs:
-        kind = job.name.split("/")[0] if job.kind == "fit" else job.kind
-        kind = "fine-tuning" if kind.startswith("b") else kind
+        kind = kind_of(job)
         steps = int(job.overrides[job.overrides.index("--trainer.max_steps") + 1]) if job.kind == "fit" else 0
         counts.setdefault(kind, []).append(steps)
     splits = s.splits
