@@ -1,5 +1,6 @@
 """The Vision Transformer encoder of Dosovitskiy et al. (2021): pre-LN blocks, a class token,
-learned 1-D position embeddings, and a final LayerNorm.
+learned 1-D position embeddings, and a final LayerNorm; with `stem`, the paper's hybrid, whose
+patches are cut from a ResNet's feature map (mpp.model.stem).
 
 The encoder exposes the steps the pretraining and fine-tuning modules compose
 (`embed_patches`, `add_positions`, `encode`) so that masked patch prediction can corrupt
@@ -9,6 +10,7 @@ into the encoder's internals.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from mpp.model.pixels import Size2d, pair
+from mpp.model.stem import ResNetStem, StemConfig
 
 
 @dataclass(frozen=True)
@@ -25,13 +28,16 @@ class ViTConfig:
 
     Args:
         image_size: input height and width in pixels (an int for square images).
-        patch_size: patch height and width in pixels; must divide `image_size`.
+        patch_size: patch height and width, in pixels, or with a stem in cells of its feature map
+            (1 for the paper's hybrids); `token_size` must divide `image_size`.
         dim: token width D.
         depth: number of transformer blocks L.
         heads: attention heads; must divide `dim`.
         mlp_dim: hidden width of each block's MLP.
         channels: input channels C.
         dropout: dropout after the position embeddings, in the MLP and after attention.
+        stem: a ResNet-v2 stem (layers, width) whose features the patches are cut from; null: the
+            pure ViT, patches of pixels.
     """
 
     image_size: int | tuple[int, int]
@@ -42,8 +48,11 @@ class ViTConfig:
     mlp_dim: int
     channels: int = 3
     dropout: float = 0.0
+    stem: StemConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.stem, Mapping):  # as checkpoints and hyperparameters store it
+            object.__setattr__(self, "stem", StemConfig(**self.stem))
         for name in ("dim", "depth", "heads", "mlp_dim", "channels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"encoder.{name} must be at least 1, got {getattr(self, name)}")
@@ -51,22 +60,33 @@ class ViTConfig:
             raise ValueError(f"encoder.dim ({self.dim}) must be divisible by encoder.heads ({self.heads})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"encoder.dropout must be in [0, 1), got {self.dropout}")
-        for image, patch, axis in zip(pair(self.image_size), pair(self.patch_size), ("height", "width")):
-            if patch < 1 or image < 1 or image % patch:
+        if min(pair(self.patch_size)) < 1:
+            raise ValueError(f"encoder.patch_size must be at least 1, got {self.patch_size}")
+        stride = "" if self.stem is None else f" times the stem's stride {self.stem.stride}"
+        for image, token, axis in zip(pair(self.image_size), self.token_size, ("height", "width")):
+            if image < 1 or image % token:
                 raise ValueError(
-                    f"encoder.patch_size {self.patch_size} must divide encoder.image_size "
-                    f"{self.image_size} ({axis} {image} is not a multiple of {patch})"
+                    f"encoder.patch_size {self.patch_size}{stride} must divide encoder.image_size "
+                    f"{self.image_size} ({axis} {image} is not a multiple of {token})"
                 )
 
     @property
+    def token_size(self) -> Size2d:
+        """(height, width) in pixels of the image region one token stands for: the patch size, times
+        the stem's stride for a hybrid."""
+        stride = 1 if self.stem is None else self.stem.stride
+        patch_h, patch_w = pair(self.patch_size)
+        return (patch_h * stride, patch_w * stride)
+
+    @property
     def grid(self) -> Size2d:
-        """Patches along (height, width)."""
-        (image_h, image_w), (patch_h, patch_w) = pair(self.image_size), pair(self.patch_size)
-        return (image_h // patch_h, image_w // patch_w)
+        """Tokens along (height, width)."""
+        (image_h, image_w), (token_h, token_w) = pair(self.image_size), self.token_size
+        return (image_h // token_h, image_w // token_w)
 
     @property
     def num_patches(self) -> int:
-        """N = HW / P²."""
+        """N = HW / P² (P the token size)."""
         grid_h, grid_w = self.grid
         return grid_h * grid_w
 
@@ -161,8 +181,10 @@ class ViT(nn.Module):
         super().__init__()
         self.config = config
         self.grid = config.grid
+        self.stem = nn.Identity() if config.stem is None else ResNetStem(config.stem, channels=config.channels)
+        features = config.channels if config.stem is None else config.stem.out_channels
         self.patch_embed = nn.Conv2d(
-            config.channels, config.dim, kernel_size=pair(config.patch_size), stride=pair(config.patch_size)
+            features, config.dim, kernel_size=pair(config.patch_size), stride=pair(config.patch_size)
         )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, config.dim))
         self.pos_embed = nn.Parameter(torch.empty(1, 1 + config.num_patches, config.dim))
@@ -190,13 +212,13 @@ class ViT(nn.Module):
         nn.init.zeros_(self.cls_token)
 
     def embed_patches(self, images: Tensor) -> Tensor:
-        """(B, C, H, W) -> (B, N, D): the linear projection of every patch."""
-        if images.shape[-2:] != tuple(dim * patch for dim, patch in zip(self.grid, pair(self.config.patch_size))):
+        """(B, C, H, W) -> (B, N, D): the linear projection of every patch (of the stem's features, for a hybrid)."""
+        if images.shape[-2:] != tuple(dim * token for dim, token in zip(self.grid, self.config.token_size)):
             raise ValueError(
                 f"images of size {tuple(images.shape[-2:])} do not fit the encoder's "
-                f"{self.grid} grid of {pair(self.config.patch_size)} patches"
+                f"{self.grid} grid of tokens of {self.config.token_size} pixels"
             )
-        return rearrange(self.patch_embed(images), "b d gh gw -> b (gh gw) d")
+        return rearrange(self.patch_embed(self.stem(images)), "b d gh gw -> b (gh gw) d")
 
     def add_positions(self, patches: Tensor) -> Tensor:
         """(B, N, D) -> (B, 1 + N, D): prepend the class token, add position embeddings."""
@@ -225,10 +247,17 @@ class ViT(nn.Module):
         representation, _ = self.encode(tokens, keep=no_patches)
         return representation
 
+    def pixel_filters(self) -> Tensor:
+        """(K, C, k_h, k_w) the filters that see the pixels: the patch projection's, or for a hybrid
+        the stem's first convolution, standardised as it is applied."""
+        if isinstance(self.stem, ResNetStem):
+            return self.stem.conv.standardised_weight()
+        return self.patch_embed.weight
+
     @torch.no_grad()
     def resize_positions(self, image_size: int | tuple[int, int]) -> None:
         """Adapt the encoder to a new image size: 2-D interpolation of the patch position
-        embeddings onto the new grid; the class-token embedding is kept as it is."""
+        embeddings onto the new token grid; the class-token embedding is kept as it is."""
         config = ViTConfig(**{**self.config.__dict__, "image_size": pair(image_size)})
         if config.grid != self.grid:
             patch_pos = rearrange(self.pos_embed[:, 1:], "1 (gh gw) d -> 1 d gh gw", gh=self.grid[0])
