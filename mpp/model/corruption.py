@@ -1,6 +1,7 @@
 """Corruption of patch embeddings (appendix B.1.2): choose a fixed share of the patches, then
 replace each chosen one by a learnable [mask] embedding, by another random patch's
-embedding, or keep it as it is.
+embedding, or keep it as it is. The choice is drawn before the patches are embedded, so that a
+hybrid encoder's pixels can be masked before its stem too.
 
 Every image gets the same number of corrupted patches, so all shapes are static: no
 boolean indexing, no per-sample Python loop and no host-device synchronisation, which
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from einops import repeat
 from torch import Tensor
 
 from mpp.model.vit import pick
@@ -29,12 +31,17 @@ class CorruptionConfig:
         mask: share of corrupted patches replaced by the [mask] embedding.
         random: share replaced by the embedding of a random other patch of the same image.
         keep: share left as they are (still predicted).
+        mask_pixels: for a hybrid encoder, also set the pixels of each [mask]ed patch's region to 0
+            (the normalised mean) before the stem, whose receptive field would otherwise carry their
+            colour into the neighbours' features. Replaced and kept patches keep their pixels:
+            a replaced one still takes another patch's embedding, a kept one is meant to be seen.
     """
 
     ratio: float = 0.5
     mask: float = 0.8
     random: float = 0.1
     keep: float = 0.1
+    mask_pixels: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
@@ -54,13 +61,23 @@ class CorruptionConfig:
         return max(1, round(self.ratio * num_patches))
 
 
+class CorruptionChoice(NamedTuple):
+    """Which patches are corrupted and how, drawn before any patch is embedded.
+
+    positions: (B, M) indices of the corrupted patches, M = round(ratio · N).
+    kinds: (B, M) what happens to each: MASKED, REPLACED or KEPT.
+    sources: (B, M) the patch whose embedding a REPLACED patch receives (its own index otherwise).
+    """
+
+    positions: Tensor
+    kinds: Tensor
+    sources: Tensor
+
+
 class CorruptedPatches(NamedTuple):
-    """The output of `corrupt_patches`.
+    """The output of `corrupt_patches`: `CorruptionChoice`'s fields, and
 
     tokens: (B, N, D) patch embeddings after corruption.
-    positions: (B, M) indices of the corrupted patches, M = round(ratio · N).
-    kinds: (B, M) what happened to each: MASKED, REPLACED or KEPT.
-    sources: (B, M) the patch whose embedding a REPLACED patch received (its own index otherwise).
     """
 
     tokens: Tensor
@@ -69,24 +86,24 @@ class CorruptedPatches(NamedTuple):
     sources: Tensor
 
 
-def corrupt_patches(
-    patches: Tensor,
+def choose_corruption(
+    batch: int,
+    num_patches: int,
     *,
-    mask_token: Tensor,
-    config: CorruptionConfig = CorruptionConfig(),
+    config: CorruptionConfig = CorruptionConfig(),  # noqa: B008 (frozen: one shared default is safe)
+    device: torch.device | str = "cpu",
     generator: torch.Generator | None = None,
-) -> CorruptedPatches:
-    """(B, N, D) patch embeddings -> `CorruptedPatches` with M = round(ratio · N) per image.
+) -> CorruptionChoice:
+    """Draw M = round(ratio · N) corrupted patches for each of `batch` images, and what becomes of each.
 
     Args:
-        patches: patch embeddings, before position embeddings are added.
-        mask_token: the learnable [mask] embedding, shape (D,).
+        batch: images B.
+        num_patches: patches N per image.
         config: the corruption rate and the mask / random / keep split.
-        generator: a seeded generator on `patches.device` for reproducible draws.
+        device: where the draws are made and kept.
+        generator: a seeded generator on `device` for reproducible draws.
     """
-    batch, num_patches, dim = patches.shape
     num_corrupted = config.num_corrupted(num_patches)
-    device = patches.device
 
     # A uniform random subset of M positions per image: the M smallest of N uniform draws.
     noise = torch.rand(batch, num_patches, device=device, generator=generator)
@@ -105,13 +122,47 @@ def corrupt_patches(
     else:
         offsets = torch.zeros_like(positions)
     others = (positions + offsets) % num_patches
+    return CorruptionChoice(positions, kinds, torch.where(kinds == REPLACED, others, positions))
 
-    original = pick(patches, positions)  # (B, M, D)
+
+def apply_corruption(patches: Tensor, choice: CorruptionChoice, *, mask_token: Tensor) -> CorruptedPatches:
+    """(B, N, D) patch embeddings, before position embeddings -> `CorruptedPatches`: the [mask] embedding
+    (D,) at MASKED positions, the source patch's embedding at REPLACED ones."""
+    dim = patches.shape[-1]
     replacement = torch.where(
-        (kinds == MASKED).unsqueeze(-1),
-        mask_token.to(patches.dtype).expand_as(original),
-        torch.where((kinds == REPLACED).unsqueeze(-1), pick(patches, others), original),
+        (choice.kinds == MASKED).unsqueeze(-1),
+        mask_token.to(patches.dtype).expand(*choice.positions.shape, dim),
+        pick(patches, choice.sources),  # a patch's own embedding where it is not replaced
     )
-    tokens = patches.scatter(1, positions.unsqueeze(-1).expand(-1, -1, dim), replacement)
-    sources = torch.where(kinds == REPLACED, others, positions)
-    return CorruptedPatches(tokens=tokens, positions=positions, kinds=kinds, sources=sources)
+    tokens = patches.scatter(1, choice.positions.unsqueeze(-1).expand(-1, -1, dim), replacement)
+    return CorruptedPatches(tokens, *choice)
+
+
+def corrupt_patches(
+    patches: Tensor,
+    *,
+    mask_token: Tensor,
+    config: CorruptionConfig = CorruptionConfig(),  # noqa: B008
+    generator: torch.Generator | None = None,
+) -> CorruptedPatches:
+    """(B, N, D) patch embeddings -> `CorruptedPatches` with M = round(ratio · N) per image.
+
+    Args:
+        patches: patch embeddings, before position embeddings are added.
+        mask_token: the learnable [mask] embedding, shape (D,).
+        config: the corruption rate and the mask / random / keep split.
+        generator: a seeded generator on `patches.device` for reproducible draws.
+    """
+    batch, num_patches, _ = patches.shape
+    choice = choose_corruption(batch, num_patches, config=config, device=patches.device, generator=generator)
+    return apply_corruption(patches, choice, mask_token=mask_token)
+
+
+def mask_pixels(images: Tensor, choice: CorruptionChoice, grid: tuple[int, int]) -> Tensor:
+    """(B, C, H, W) normalised images -> the same with the pixels of every MASKED token's region set to
+    0, the normalised mean; `grid` is the encoder's token grid over the image."""
+    masked = torch.zeros(choice.positions.shape[0], grid[0] * grid[1], dtype=torch.bool, device=images.device)
+    masked = masked.scatter(1, choice.positions, choice.kinds == MASKED)
+    height, width = images.shape[-2:]
+    pixels = repeat(masked, "b (gh gw) -> b 1 (gh th) (gw tw)", gh=grid[0], th=height // grid[0], tw=width // grid[1])
+    return images.masked_fill(pixels, 0.0)

@@ -1,6 +1,7 @@
 """MaskedPatchPretraining: the self-supervised objective of section 4.6 as a LightningModule.
 
-shards -> batch -> targets (raw pixels) -> normalise -> embed patches -> corrupt
+shards -> batch -> targets (raw pixels) -> choose the corrupted patches -> normalise (and, for a
+hybrid with `corruption.mask_pixels`, blank the masked regions) -> embed patches -> corrupt
 -> add positions -> blocks -> head on corrupted positions -> loss
 """
 
@@ -13,7 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from mpp.model.checkpoint import load_encoder
-from mpp.model.corruption import CorruptedPatches, CorruptionConfig, corrupt_patches
+from mpp.model.corruption import (
+    CorruptedPatches,
+    CorruptionConfig,
+    apply_corruption,
+    choose_corruption,
+    mask_pixels,
+)
 from mpp.model.pixels import to_unit_range
 from mpp.model.targets import TargetConfig, prediction_accuracy, prediction_loss
 from mpp.model.vit import ViT, ViTConfig, pick
@@ -74,6 +81,11 @@ class MaskedPatchPretraining(EncoderModule):
         super().__init__(encoder, optimizer, pixel_mean, pixel_std, nonfinite_loss)
         self.corruption, self.target = as_config(corruption, CorruptionConfig), as_config(target, TargetConfig)
         self.metric_names = ["loss"] if self.target.kind == "pixels" else ["loss", "mpp_accuracy"]
+        if self.corruption.mask_pixels and self.encoder_config.stem is None:
+            raise ValueError(
+                "corruption.mask_pixels is for a hybrid encoder (encoder.stem): a pure ViT's masked "
+                "patches already see none of their pixels"
+            )
         if pretrained is None:
             self.encoder = ViT(self.encoder_config)
         else:
@@ -81,9 +93,9 @@ class MaskedPatchPretraining(EncoderModule):
             self.encoder.resize_positions(self.encoder_config.image_size)
         self.mask_token = nn.Parameter(torch.empty(self.encoder_config.dim))
         nn.init.normal_(self.mask_token, std=0.02)
-        patch_size, channels = self.encoder_config.patch_size, self.encoder_config.channels
+        token_size, channels = self.encoder_config.token_size, self.encoder_config.channels
         self.predictions_per_patch = self.target.predictions_per_patch()
-        self.outputs = self.target.outputs_per_prediction(channels=channels, patch_size=patch_size)
+        self.outputs = self.target.outputs_per_prediction(channels=channels, patch_size=token_size)
         self.head = nn.Linear(self.encoder_config.dim, self.predictions_per_patch * self.outputs)
         nn.init.xavier_uniform_(self.head.weight)
         nn.init.zeros_(self.head.bias)
@@ -92,8 +104,8 @@ class MaskedPatchPretraining(EncoderModule):
         self.compile_if(compile)
 
     def targets(self, images: Tensor) -> Tensor:
-        """(B, C, H, W) in [0, 1] -> (B, N, ...) the target of every patch."""
-        return self.target.compute(images, patch_size=self.encoder_config.patch_size)
+        """(B, C, H, W) in [0, 1] -> (B, N, ...) the target of every patch, from the pixels its token stands for."""
+        return self.target.compute(images, patch_size=self.encoder_config.token_size)
 
     def predict(self, representations: Tensor) -> Tensor:
         """(B, M, D) corrupted patches' representations -> their predictions."""
@@ -105,8 +117,13 @@ class MaskedPatchPretraining(EncoderModule):
     def forward(self, images: Tensor) -> MPPOutput:
         """(B, C, H, W) images in [0, 1] -> predictions and targets of the corrupted patches."""
         targets = self.targets(images)
-        patches = self.encoder.embed_patches(self.normalise(images))
-        corrupted = corrupt_patches(patches, mask_token=self.mask_token, config=self.corruption)
+        choice = choose_corruption(
+            len(images), self.encoder_config.num_patches, config=self.corruption, device=images.device
+        )
+        pixels = self.normalise(images)
+        if self.corruption.mask_pixels:
+            pixels = mask_pixels(pixels, choice, self.encoder_config.grid)
+        corrupted = apply_corruption(self.encoder.embed_patches(pixels), choice, mask_token=self.mask_token)
         tokens = self.encoder.add_positions(corrupted.tokens)
         _, representations = self.encoder.encode(tokens, keep=corrupted.positions)  # (B, M, D)
         predictions = self.predict(representations)
