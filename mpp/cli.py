@@ -35,6 +35,7 @@ from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.eval.records import run_folders
+from mpp.model.vit import ViTConfig
 from mpp.precision import default_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
 from mpp.train.callbacks import RankFailure
@@ -150,6 +151,17 @@ def place_run_outputs(config: Any) -> None:
             callback.init_args.dirpath = str(Path(root) / "checkpoints")
 
 
+def patches_of(encoder: ViTConfig) -> str:
+    """What the encoder's tokens are cut from, for the summary."""
+    if encoder.stem is None:
+        return f"{encoder.patch_size} px patches"
+    stem = encoder.stem
+    return (
+        f"{encoder.patch_size} patches of a ResNet stem (layers {list(stem.layers)}, width {stem.width}, "
+        f"stride {stem.stride}): tokens of {list(encoder.token_size)} px"
+    )
+
+
 def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any, *, precision_note: str = "") -> str:
     """The first lines a user reads: what trains, on what, where, and where the results go."""
     params = sum(p.numel() for p in model.parameters())
@@ -160,7 +172,7 @@ def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any, *, pr
     lines = [
         f"mpp: {type(model).__name__}, {params / 1e6:.2f}M parameters"
         + (
-            f", encoder {encoder.dim}x{encoder.depth} ({encoder.heads} heads), {encoder.patch_size} px patches of {encoder.image_size} px images"
+            f", encoder {encoder.dim}x{encoder.depth} ({encoder.heads} heads), {patches_of(encoder)} of {encoder.image_size} px images"
             if encoder
             else ""
         ),

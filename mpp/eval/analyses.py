@@ -1,5 +1,5 @@
 """What a trained ViT has learned, as in Figure 7 of Dosovitskiy et al. (2021, section 4.5): the
-principal components of the patch-embedding filters, the similarity of the position embeddings,
+principal components of the patch-embedding filters (for a hybrid, of its stem's first convolution), the similarity of the position embeddings,
 the mean attention distance of every head, and the class token's attention over a few images.
 
 The pure computations take weights, embeddings or attention tensors, so that known answers can
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from mpp.data.module import ShardDataModule, ShardSpec
 from mpp.eval.figures import encoder_figures
-from mpp.model.pixels import Size2d, pair, to_unit_range
+from mpp.model.pixels import Size2d, to_unit_range
 from mpp.model.vit import Block, ViT, ViTConfig
 
 
@@ -129,13 +129,13 @@ def explicit_blocks(encoder: ViT, tokens: Tensor) -> Iterator[tuple[Tensor, Tens
 class Analysis:
     """The analyses of one encoder, on the CPU in float32."""
 
-    components: Tensor  # (K, C, P_h, P_w) principal components of the patch filters
+    components: Tensor  # (K, C, P_h, P_w) principal components of the filters that see the pixels
     explained: Tensor  # (K,) share of the filters' variance each component explains
     similarity: Tensor  # (gh, gw, gh, gw) cosine similarity of the position embeddings
     distances: Tensor  # (depth, heads) mean attention distance in pixels
     images: Tensor  # (M, C, H, W) in [0, 1]: the first images analysed
     maps: Tensor  # (M, gh, gw) the last block's class-token attention over those images
-    patch_size: Size2d
+    patch_size: Size2d  # the pixels of one token
     num_images: int
 
     def numbers(self) -> dict[str, Any]:
@@ -180,7 +180,7 @@ def analyse(
         encoder = copy.deepcopy(encoder).float()
     was_training = encoder.training
     encoder.eval()
-    grid, patch = encoder.grid, pair(encoder.config.patch_size)
+    grid, patch = encoder.grid, encoder.config.token_size  # a token's pixels, whatever the stem
     distances = torch.zeros(encoder.config.depth, encoder.config.heads, device=weights.device)
     maps = []
     try:
@@ -194,7 +194,7 @@ def analyse(
                         maps.append(class_token_maps(attention[: map_images - start], grid))
     finally:
         encoder.train(was_training)
-    filters, explained = filter_components(encoder.patch_embed.weight, components)
+    filters, explained = filter_components(encoder.pixel_filters(), components)
     return Analysis(
         components=filters.cpu(),
         explained=explained.cpu(),

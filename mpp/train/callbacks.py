@@ -125,7 +125,7 @@ class PredictionPictures(pl.Callback):
             output.corrupted,
             output.predictions,
             target=pl_module.target,
-            patch_size=pl_module.encoder_config.patch_size,
+            patch_size=pl_module.encoder_config.token_size,
             max_images=self.max_images,
         )
 

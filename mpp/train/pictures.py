@@ -60,7 +60,8 @@ def prediction_panel(
     max_images: int = 4,
     min_height: int = 96,
 ) -> np.ndarray:
-    """(B, C, H, W) images in [0, 1] with their corruption and predictions -> (H', W', 3) uint8."""
+    """(B, C, H, W) images in [0, 1] with their corruption and predictions -> (H', W', 3) uint8;
+    `patch_size` is the pixels one token stands for (the encoder's `token_size`)."""
     images = images[:max_images].detach().float().cpu()
     batch, channels, height, width = images.shape
     patch = pair(patch_size)
