@@ -130,11 +130,17 @@ def read_export(path: str, *, heads: int | None = None) -> tuple[ViTConfig, dict
     try:
         layout, tensors = interop.encoder_tensors(tensors)
         saved_config = file.parent / "config.json"
-        if saved_config.is_file():
-            saved = json.loads(saved_config.read_text())
-            found = interop.config_from_timm(saved) if layout == "timm" else interop.config_from_hf(saved)
+        saved = json.loads(saved_config.read_text()) if saved_config.is_file() else None
+        hybrid = any(name.startswith("patch_embed.backbone.") for name in tensors)
+        if saved is None:
+            found = _config_from_shapes(tensors, layout, heads) if not hybrid else {}
         else:
-            found = _config_from_shapes(tensors, layout, heads)
+            found = interop.config_from_timm(saved) if layout == "timm" else interop.config_from_hf(saved)
+        if hybrid and found.get("stem") is None:
+            raise ValueError(
+                "it is a timm hybrid ViT whose stem mpp cannot tell: give its config.json, naming one of "
+                f"{', '.join(interop.TIMM_HYBRIDS)}"
+            )
         config = ViTConfig(**found)
     except ValueError as error:
         raise ValueError(f"export {path}: {error}") from error

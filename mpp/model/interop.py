@@ -5,6 +5,9 @@ The three layouts hold the same tensors under other names, but for one: Hugging 
 qkv projection, whose output rows are q, then k, then v (heads inside each), into query, key and
 value. Files keep the names Hugging Face has always written (`encoder.layer.{i}...`); transformers 5
 renames them as it loads. `mpp.model.checkpoint.load_encoder` reads exports back.
+
+A hybrid encoder (a ResNet stem) exports to timm only, and only with a stem one of timm's registered
+hybrids builds: timm's builders fix the stem, and Hugging Face's ViTModel has none.
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ TIMM_MODELS = {
 }
 # timm builds any plain ViT from a registered name whose sizes its `model_args` override.
 _TIMM_CARRIER = "vit_base_patch16_224"
+# timm's hybrids (ResNet-v2 stems of width 64, 1 x 1 patches, timm 1.0): name -> (stem layers, dim,
+# depth, heads, image). The name fixes the stem; `model_args` may override the other sizes.
+TIMM_HYBRIDS = {
+    "vit_base_r50_s16_224": ((3, 4, 9), 768, 12, 12, 224),
+    "vit_base_r50_s16_384": ((3, 4, 9), 768, 12, 12, 384),
+    "vit_small_r26_s32_224": ((2, 2, 2, 2), 384, 12, 6, 224),
+    "vit_large_r50_s32_224": ((3, 4, 6, 3), 1024, 24, 16, 224),
+}
+TIMM_STEM_WIDTH = 64
 
 _HF_TOP = {
     "cls_token": "embeddings.cls_token",
@@ -68,6 +80,9 @@ _NOT_ENCODER = {"timm": re.compile(r"head\.|mpp\."), "hf": re.compile(r"classifi
 def names_in(layout: Layout, name: str) -> list[str]:
     """The names our tensor `name` has in `layout`: one, or Hugging Face's query, key and value for qkv."""
     if layout == "timm":
+        if name.startswith("stem."):  # timm's backbone holds the root as `stem`, the stages beside it
+            inner = name.removeprefix("stem.")
+            return ["patch_embed.backbone." + (inner if inner.startswith("stages.") else "stem." + inner)]
         return [name.replace("patch_embed.", "patch_embed.proj.", 1) if name.startswith("patch_embed.") else name]
     if name in _HF_TOP:
         return [_HF_TOP[name]]
@@ -122,17 +137,39 @@ def _size(value: tuple[int, int]) -> int | list[int]:
     return value[0] if value[0] == value[1] else list(value)
 
 
+def timm_hybrid_carrier(config: ViTConfig) -> str:
+    """The first timm hybrid whose builder makes the encoder's stem; refuses a stem none of them makes."""
+    stem = config.stem
+    assert stem is not None
+    carriers = [name for name, (layers, *_) in TIMM_HYBRIDS.items() if layers == stem.layers]
+    if stem.width != TIMM_STEM_WIDTH or not carriers:
+        known = sorted({str(list(layers)) for layers, *_ in TIMM_HYBRIDS.values()})
+        raise ValueError(
+            f"timm builds hybrid ViTs only on the stems of its registered models (width {TIMM_STEM_WIDTH}, layers "
+            f"{' or '.join(known)}); encoder.stem has layers {list(stem.layers)} and width {stem.width}"
+        )
+    return carriers[0]
+
+
 def timm_config(config: ViTConfig, mean: Sequence[float], std: Sequence[float]) -> dict[str, Any]:
     """timm's `config.json`: a registered model name where ours is one, else the model's sizes as
-    `model_args`; the input normalisation and size in `pretrained_cfg`."""
+    `model_args` (for a hybrid, on the registered name that builds its stem); the input normalisation
+    and size in `pretrained_cfg`."""
     (image_h, image_w), patch = pair(config.image_size), pair(config.patch_size)
     if int(config.dim * (config.mlp_dim / config.dim)) != config.mlp_dim:  # timm's rule for the MLP width
         raise ValueError(f"timm cannot build an MLP of encoder.mlp_dim {config.mlp_dim} for encoder.dim {config.dim}")
-    sizes = (config.dim, config.depth, config.heads, patch[0], image_h)
-    named = [name for name, model in TIMM_MODELS.items() if model == sizes]
-    plain = config.mlp_dim == 4 * config.dim and config.channels == 3 and patch[0] == patch[1] and image_h == image_w
+    square = patch[0] == patch[1] and image_h == image_w
+    if config.stem is None:
+        carrier = _TIMM_CARRIER
+        pure = (config.dim, config.depth, config.heads, patch[0], image_h)
+        named = [name for name, model in TIMM_MODELS.items() if model == pure]
+    else:
+        carrier = timm_hybrid_carrier(config)
+        hybrid = (config.stem.layers, config.dim, config.depth, config.heads, image_h)
+        named = [name for name, model in TIMM_HYBRIDS.items() if model == hybrid and patch == (1, 1)]
+    plain = config.mlp_dim == 4 * config.dim and config.channels == 3 and square
     out: dict[str, Any] = {
-        "architecture": named[0] if named and plain else _TIMM_CARRIER,
+        "architecture": named[0] if named and plain else carrier,
         "num_classes": 0,
         "num_features": config.dim,
         "global_pool": "token",
@@ -156,14 +193,19 @@ def timm_config(config: ViTConfig, mean: Sequence[float], std: Sequence[float]) 
         "mean": per_channel(mean, config.channels),
         "std": per_channel(std, config.channels),
         "num_classes": 0,
-        "first_conv": "patch_embed.proj",
+        "first_conv": "patch_embed.proj" if config.stem is None else "patch_embed.backbone.stem.conv",
         "classifier": "head",
     }
     return out
 
 
 def hf_config(config: ViTConfig) -> dict[str, Any]:
-    """transformers' `config.json` for a `ViTModel` that computes what our encoder does."""
+    """transformers' `config.json` for a `ViTModel` that computes what our encoder does; refuses a hybrid."""
+    if config.stem is not None:
+        raise ValueError(
+            "Hugging Face's ViTModel has no ResNet stem: export a hybrid encoder (encoder.stem) for timm "
+            "(--format timm)"
+        )
     return {
         "model_type": "vit",
         "architectures": ["ViTModel"],
@@ -204,9 +246,14 @@ def config_from_timm(saved: Mapping[str, Any]) -> dict[str, Any]:
     args = dict(saved.get("model_args") or {})
     architecture = saved.get("architecture")
     sizes: dict[str, Any] = {"mlp_ratio": 4.0, "in_chans": 3, "img_size": 224}  # timm's own defaults
+    stem = None
     if architecture in TIMM_MODELS:
         dim, depth, heads, patch, image = TIMM_MODELS[architecture]
         sizes.update(embed_dim=dim, depth=depth, num_heads=heads, patch_size=patch, img_size=image)
+    elif architecture in TIMM_HYBRIDS:
+        layers, dim, depth, heads, image = TIMM_HYBRIDS[architecture]
+        sizes.update(embed_dim=dim, depth=depth, num_heads=heads, patch_size=1, img_size=image)
+        stem = {"layers": layers, "width": TIMM_STEM_WIDTH}
     if pretrained.get("input_size"):
         channels, *image_size = pretrained["input_size"]
         sizes.update(in_chans=channels, img_size=image_size)
@@ -224,6 +271,7 @@ def config_from_timm(saved: Mapping[str, Any]) -> dict[str, Any]:
         "depth": sizes["depth"],
         "heads": sizes["num_heads"],
         "mlp_dim": int(sizes["embed_dim"] * sizes["mlp_ratio"]),  # as timm computes it
+        "stem": stem,
     }
 
 
