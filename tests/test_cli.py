@@ -16,6 +16,7 @@ import yaml
 from workspace import ROOT, environment
 
 from mpp.cli import main
+from mpp.config import read_config
 from mpp.eval.records import config as wandb_config
 from mpp.eval.records import history
 
@@ -47,8 +48,9 @@ def mpp(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
 def test_every_config_loads(config):
     if config.parent.name == "model":  # a size preset replaces the encoder's size in a run config
         resolved = yaml.safe_load(print_config("--config", str(DEMO), "--model.encoder", str(config)))
-        preset = yaml.safe_load(config.read_text())
-        assert preset.items() <= resolved["model"]["init_args"]["encoder"].items()
+        preset = read_config(config)  # a hybrid's preset names its ViT's as __base__ and adds the stem
+        encoder = resolved["model"]["init_args"]["encoder"]
+        assert {key: encoder[key] for key in preset} == preset
     elif config.parent.name == "trainer":  # a hardware preset goes before a run config
         resolved = yaml.safe_load(print_config("--config", str(config), "--config", str(DEMO)))
         assert resolved["model"]["class_path"] == "mpp.MaskedPatchPretraining"

@@ -25,14 +25,16 @@ import yaml
 from probes import records
 from workspace import ROOT, console_script, make_workspace, run
 
+from mpp.config import read_config
 from mpp.precision import default_precision
 
 # Pretraining first: the fine-tuning configs read its checkpoints.
-RUN_CONFIGS = ["pretrain/demo.yaml", "pretrain/vit_b16.yaml", "scratch/demo.yaml", "scratch/vit_b16.yaml",
-               "finetune/demo.yaml", "finetune/vit_b16.yaml"]
+RUN_CONFIGS = [f"{arm}/{recipe}.yaml" for arm in ("pretrain", "scratch", "finetune")
+               for recipe in ("demo", "vit_b16", "demo_hybrid", "vit_b16_r50")]
 PRESETS = ["gpu", "ddp", "fsdp"]  # configs/trainer/gpu.yaml, configs/trainer/ddp.yaml, configs/trainer/fsdp.yaml
 # The size preset each run config names (`encoder: {__base__: ../model/<preset>, ...}`).
-PRESET_OF = {name: "configs/model/vit_demo.yaml" if name.endswith("demo.yaml") else "configs/model/vit_b.yaml"
+PRESET_OF = {name: "configs/model/" + {"demo": "vit_demo.yaml", "vit_b16": "vit_b.yaml", "demo_hybrid": "vit_demo_hybrid.yaml",
+                                        "vit_b16_r50": "vit_b_r50.yaml"}[Path(name).stem]
              for name in RUN_CONFIGS}
 # Size presets; ViT-L and ViT-H (303M and 631M parameters) take minutes a step here: `make test-slow`.
 # (vit_demo.yaml is the demo configs' own, fitted with them above.)
@@ -86,7 +88,7 @@ def test_every_run_config_takes_its_encoder_size_from_the_preset_it_names(name: 
     to itself, so it resolves from a user's own folder with a copy of the configs, and a value on the
     command line still wins over the preset."""
     written = config_of(name)["model"]["init_args"]["encoder"]
-    preset = yaml.safe_load((ROOT / PRESET_OF[name]).read_text())
+    preset = read_config(ROOT / PRESET_OF[name])  # a hybrid's preset is its ViT's with a stem
     assert written["__base__"] == "../model/" + Path(PRESET_OF[name]).name and not preset.keys() & written.keys()
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     monkeypatch.chdir(tmp_path)
@@ -140,11 +142,14 @@ def test_every_run_config_fits_two_steps_on_the_cpu_preset(fits: dict[str, dict]
     print(f"{name}: {fit['seconds']:.0f} s in all, median {statistics.median(times):.2f} s per batch of {BATCH}")
 
 
-def test_a_finetune_config_starts_from_its_pretraining_run(fits: dict[str, dict]) -> None:
-    """configs/finetune/vit_b16.yaml fine-tunes at 384 px the 224 px encoder of the pretraining run."""
-    folder = fits["finetune/vit_b16.yaml"]["folder"]
-    pretrained = torch.load(folder / "runs/vit_b16_mpp/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
-    finetuned = torch.load(folder / "runs/vit_b16_finetune/checkpoints/last.ckpt", map_location="cpu",
+@pytest.mark.parametrize("recipe", ["vit_b16", "vit_b16_r50"])
+def test_a_finetune_config_starts_from_its_pretraining_run(fits: dict[str, dict], recipe: str) -> None:
+    """configs/finetune/vit_b16.yaml fine-tunes at 384 px the 224 px encoder of the pretraining run; the
+    hybrid's positions are interpolated on its stem's stride-16 feature grid."""
+    folder = fits[f"finetune/{recipe}.yaml"]["folder"]
+    pretrained = torch.load(folder / f"runs/{recipe}_mpp/checkpoints/last.ckpt", map_location="cpu",
+                            weights_only=True)
+    finetuned = torch.load(folder / f"runs/{recipe}_finetune/checkpoints/last.ckpt", map_location="cpu",
                            weights_only=True)
     assert pretrained["encoder_config"]["image_size"] == 224 and finetuned["encoder_config"]["image_size"] == 384
     key = "encoder.pos_embed"

@@ -316,11 +316,12 @@ def write_export(
     """Write our encoder's `weights` as `layout`'s model.safetensors and config.json (and, for Hugging Face,
     preprocessor_config.json) into `folder`; `extras` go in under `EXTRA_PREFIX`, `extra_config` into the
     config under "mpp". Returns the files written."""
+    # The configs first: they refuse an encoder the layout cannot hold before any file is written.
+    configs = {"config.json": timm_config(config, mean, std) if layout == "timm" else hf_config(config)}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = to_layout(weights, layout)
     tensors.update({EXTRA_PREFIX + name: value.clone() for name, value in (extras or {}).items()})
-    configs = {"config.json": timm_config(config, mean, std) if layout == "timm" else hf_config(config)}
     if extra_config:
         configs["config.json"]["mpp"] = dict(extra_config)
     if layout == "hf":
