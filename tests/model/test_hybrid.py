@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from export import main as export_main
 from workspace import ROOT
 
 from mpp import CorruptionConfig, ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViT, ViTConfig
@@ -250,6 +251,12 @@ def test_hugging_face_export_refuses_a_hybrid(tmp_path: Path):
     model = ViT(SMALL)
     with pytest.raises(ValueError, match="ViTModel has no ResNet stem"):
         interop.write_export(tmp_path, model.state_dict(), SMALL, "hf", mean=[0.5], std=[0.5])
+
+
+def test_the_export_tool_refuses_a_hybrid_for_hugging_face_naming_the_way_out(tmp_path: Path, capsys):
+    pretraining_checkpoint(tmp_path / "mpp.ckpt")
+    assert export_main([str(tmp_path / "mpp.ckpt"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+    assert "has no ResNet stem" in capsys.readouterr().err and not (tmp_path / "hf").exists()
 
 
 def test_timm_export_refuses_a_stem_timm_does_not_build(tmp_path: Path):
