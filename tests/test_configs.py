@@ -31,6 +31,16 @@ from mpp.precision import default_precision
 # Pretraining first: the fine-tuning configs read its checkpoints.
 RUN_CONFIGS = [f"{arm}/{recipe}.yaml" for arm in ("pretrain", "scratch", "finetune")
                for recipe in ("demo", "vit_b16", "demo_hybrid", "vit_b16_r50")]
+# R50+ViT-B/16 takes about a minute a 2-step fit here (its stem at 224 and 384 px): `make test-slow`.
+SLOW_RECIPES = {"vit_b16_r50"}
+
+
+def run_config(name: str) -> str | pytest.param:
+    """`name` as a test parameter, marked slow where its recipe is."""
+    return pytest.param(name, marks=pytest.mark.slow) if Path(name).stem in SLOW_RECIPES else name
+
+
+RUN_PARAMS = [run_config(name) for name in RUN_CONFIGS]
 PRESETS = ["gpu", "ddp", "fsdp"]  # configs/trainer/gpu.yaml, configs/trainer/ddp.yaml, configs/trainer/fsdp.yaml
 # The size preset each run config names (`encoder: {__base__: ../model/<preset>, ...}`).
 PRESET_OF = {name: "configs/model/" + {"demo": "vit_demo.yaml", "vit_b16": "vit_b.yaml", "demo_hybrid": "vit_demo_hybrid.yaml",
@@ -102,22 +112,33 @@ def test_every_run_config_takes_its_encoder_size_from_the_preset_it_names(name: 
     assert larger["encoder"] == {**encoder, **yaml.safe_load((ROOT / "configs/model/vit_l.yaml").read_text())}
 
 
-@pytest.fixture(scope="module")
-def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Each run config fitted 2 steps in one workspace, in RUN_CONFIGS order."""
-    folder = make_workspace(tmp_path_factory.mktemp("user"))
-    results = {}
-    for name in RUN_CONFIGS:
+class Fits(dict):
+    """Each run config fitted 2 steps in one workspace, when a test first asks for it; a fine-tuning config's
+    pretraining run first, since the fine-tuning config reads its checkpoint."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, name: str) -> dict:
+        if name.startswith("finetune/"):
+            self[name.replace("finetune/", "pretrain/", 1)]
         tag = name.replace("/", "-").removesuffix(".yaml")
-        probe = json.dumps({"class_path": "probes.RunProbe", "init_args": {"out": str(folder / "probe"), "tag": tag}})
+        probe = json.dumps({"class_path": "probes.RunProbe",
+                            "init_args": {"out": str(self.folder / "probe"), "tag": tag}})
         result, seconds = run([console_script("mpp"), "fit", "--config", "configs/trainer/cpu.yaml", "--config",
-                               f"configs/{name}", *shrink(name), f"--trainer.callbacks+={probe}"], folder)
-        probe_records = records(folder / "probe" / f"{tag}-rank0.jsonl") if result.returncode == 0 else []
-        results[name] = {"result": result, "seconds": seconds, "records": probe_records, "folder": folder}
-    return results
+                               f"configs/{name}", *shrink(name), f"--trainer.callbacks+={probe}"], self.folder)
+        probe_records = records(self.folder / "probe" / f"{tag}-rank0.jsonl") if result.returncode == 0 else []
+        self[name] = {"result": result, "seconds": seconds, "records": probe_records, "folder": self.folder}
+        return self[name]
 
 
-@pytest.mark.parametrize("name", RUN_CONFIGS)
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
+    return Fits(make_workspace(tmp_path_factory.mktemp("user")))
+
+
+@pytest.mark.parametrize("name", RUN_PARAMS)
 def test_every_run_config_fits_two_steps_on_the_cpu_preset(fits: dict[str, dict], name: str) -> None:
     fit = fits[name]
     assert fit["result"].returncode == 0, fit["result"].stderr[-4000:]
@@ -142,7 +163,7 @@ def test_every_run_config_fits_two_steps_on_the_cpu_preset(fits: dict[str, dict]
     print(f"{name}: {fit['seconds']:.0f} s in all, median {statistics.median(times):.2f} s per batch of {BATCH}")
 
 
-@pytest.mark.parametrize("recipe", ["vit_b16", "vit_b16_r50"])
+@pytest.mark.parametrize("recipe", ["vit_b16", pytest.param("vit_b16_r50", marks=pytest.mark.slow)])
 def test_a_finetune_config_starts_from_its_pretraining_run(fits: dict[str, dict], recipe: str) -> None:
     """configs/finetune/vit_b16.yaml fine-tunes at 384 px the 224 px encoder of the pretraining run; the
     hybrid's positions are interpolated on its stem's stride-16 feature grid."""
@@ -176,13 +197,15 @@ def instantiate(*args: str) -> object:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("name", RUN_CONFIGS)
+@pytest.mark.parametrize("name", [run_config(name) if name.startswith("finetune/") else name for name in RUN_CONFIGS])
 def test_every_gpu_preset_with_every_run_config_prints_and_instantiates(fits: dict[str, dict], name: str,
                                                                        preset: str, monkeypatch) -> None:
     from mpp.cli import run_summary
     from mpp.train.strategies import BlockFSDPStrategy
 
-    monkeypatch.chdir(fits[name]["folder"])  # where the fine-tuning configs find their pretrained checkpoints
+    # A fine-tuning config instantiates from its pretraining run's checkpoint: that run is fitted first.
+    monkeypatch.chdir(fits[name.replace("finetune/", "pretrain/", 1)]["folder"] if name.startswith("finetune/")
+                      else fits.folder)
     args = ["--config", f"configs/trainer/{preset}.yaml", "--config", f"configs/{name}"]
     resolved = printed_config(*args)
     assert resolved["trainer"]["accelerator"] == "gpu", "the run config must leave the hardware to the preset"

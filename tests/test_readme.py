@@ -191,6 +191,8 @@ def tool_arguments(argv: list[str]) -> list[str]:
         if "--plan" in argv or "--full" in argv:
             return ["--plan"]
         return ["--quick", "--budgets", "1000", "--no-ablation", "--seeds", "2", "--out", "runs/study-readme"]
+    if argv[1].endswith("leakage.py"):
+        return ["--quick", "--out", "runs/leakage-readme"]
     return []
 
 
@@ -213,6 +215,9 @@ def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> 
         assert next((line for flag, line in shown.items() if flag in argv), "| MPP pretrained, fine-tuned − from scratch |") in result.stdout
     if argv[1].endswith("study.py") and "--results" in argv and "--full" not in argv:
         assert (user / argv[argv.index("--results") + 1] / "study.json").is_file()
+    if argv[1].endswith("leakage.py"):
+        assert "| hybrid, mask_pixels | frozen |" in result.stdout and "hybrid - vit, frozen: " in result.stdout
+        assert (user / argv[argv.index("--results") + 1] / "leakage.json").is_file()
     if argv[1].endswith("fewshot.py"):
         assert "(500 train / 200 test images" in result.stdout and re.search(r"^\| 25 \| \d+\.\d%", result.stdout, re.M)
 

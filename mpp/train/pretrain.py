@@ -57,6 +57,9 @@ class MaskedPatchPretraining(EncoderModule):
         compile: compile `forward` (targets, corruption, encoder, head) with torch.compile; shapes
             are static, so it compiles once for training and once for evaluation.
         nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.guards).
+        frozen: submodules that keep their initial (or `pretrained`) weights, by name, e.g.
+            `[encoder.blocks]`: then only the patch embedding (and a hybrid's stem), positions, [mask]
+            token, final norm and head learn, as in the leakage measurement of tools/leakage.py.
     """
 
     target_counts: Tensor  # a buffer, registered in __init__
@@ -73,11 +76,12 @@ class MaskedPatchPretraining(EncoderModule):
         pixel_std: Sequence[float] = (0.5,),
         compile: bool = False,
         nonfinite_loss: Policy = "stop",
+        frozen: Sequence[str] = (),
     ) -> None:
         # Plain data: EncoderModule records this frame's arguments as the hyperparameters.
         encoder, optimizer = plain(encoder, ViTConfig), plain(optimizer, OptimizerConfig)  # type: ignore[assignment]
         corruption, target = plain(corruption, CorruptionConfig), plain(target, TargetConfig)  # type: ignore[assignment]
-        pixel_mean, pixel_std = list(pixel_mean), list(pixel_std)
+        pixel_mean, pixel_std, frozen = list(pixel_mean), list(pixel_std), list(frozen)
         super().__init__(encoder, optimizer, pixel_mean, pixel_std, nonfinite_loss)
         self.corruption, self.target = as_config(corruption, CorruptionConfig), as_config(target, TargetConfig)
         self.metric_names = ["loss"] if self.target.kind == "pixels" else ["loss", "mpp_accuracy"]
@@ -101,6 +105,11 @@ class MaskedPatchPretraining(EncoderModule):
         nn.init.zeros_(self.head.bias)
         # Evaluation tally of target classes, for the majority-class baseline.
         self.register_buffer("target_counts", torch.zeros(self.outputs, dtype=torch.long), persistent=False)
+        for name in frozen:
+            try:
+                self.get_submodule(name).requires_grad_(False)
+            except AttributeError:
+                raise ValueError(f"frozen: this module has no submodule {name!r} (e.g. encoder.blocks)") from None
         self.compile_if(compile)
 
     def targets(self, images: Tensor) -> Tensor:

@@ -1,0 +1,154 @@
+"""Does a hybrid's stem leak a [mask]ed token's colour? MPP accuracy per kind of corrupted token, of the
+demo ViT, its hybrid, and the hybrid with corruption.mask_pixels, with the transformer blocks frozen
+at init and (--trained) with nothing frozen (mpp.eval.leakage).
+
+    python tools/leakage.py --results results/leakage
+    python tools/leakage.py --quick --out runs/leakage-quick    # a few steps: the plumbing
+
+Each run is `mpp fit` of configs/pretrain/demo.yaml or configs/pretrain/demo_hybrid.yaml for --steps
+(frozen: with `--model.init_args.frozen [encoder.blocks]`), then the accuracy of one seeded draw of
+corruption of the images (the configs' validation shard, the 1,000 embedded test images: no choice is
+made here). The leak is the hybrid's [mask]ed accuracy minus the pure ViT's with the same seed and the
+blocks frozen, with a 95% interval over seeds. Runs resume: a finished run is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mpp.eval.analyses import sized_images
+from mpp.eval.leakage import KINDS, accuracy_by_kind
+from mpp.eval.stats import paired, summarise
+from mpp.eval.study import checkpointing, cli, output_to, run_outputs
+from mpp.train.pretrain import MaskedPatchPretraining
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = "shards/fashion-mnist/test-000000.tar"
+# name: (pretraining config, overrides)
+ENCODERS = {
+    "vit": ("configs/pretrain/demo.yaml", []),
+    "hybrid": ("configs/pretrain/demo_hybrid.yaml", []),
+    "hybrid_mask_pixels": ("configs/pretrain/demo_hybrid.yaml", ["--model.init_args.corruption.mask_pixels", "true"]),
+}
+LABELS = {"vit": "ViT", "hybrid": "hybrid", "hybrid_mask_pixels": "hybrid, mask_pixels"}
+FROZEN = ["--model.init_args.frozen", '["encoder.blocks"]']
+QUICK = ("--data.batch_size", "16", "--data.num_workers", "0", "--trainer.limit_val_batches", "2")
+
+
+def run_name(encoder: str, mode: str, seed: int) -> str:
+    return f"{encoder}/{mode}/seed{seed}"
+
+
+def run_one(out: Path, encoder: str, mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Fit one run (resuming from its last checkpoint) and score it; its result.json marks it finished."""
+    folder = out / run_name(encoder, mode, seed)
+    if (folder / "result.json").exists():
+        return json.loads((folder / "result.json").read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    config, overrides = ENCODERS[encoder]
+    last = folder / "checkpoints" / "last.ckpt"
+    fit = ["fit", "--config", config, *overrides, *(FROZEN if mode == "frozen" else []),
+           "--seed_everything", str(seed), "--data.seed", str(seed), "--trainer.max_steps", str(args.steps),
+           "--trainer.val_check_interval", str(args.steps), *(QUICK if args.quick else []),
+           *run_outputs(folder), *checkpointing(folder, max(1, args.steps // 3))]  # fmt: skip
+    start = time.perf_counter()
+    with output_to(folder / "log.txt"):
+        cli(fit + (["--ckpt_path", str(last)] if last.exists() else []))
+    module = MaskedPatchPretraining.load_from_checkpoint(last, map_location="cpu", weights_only=False)
+    images = sized_images(args.images, module.encoder_config, args.count)
+    result = {"encoder": encoder, "mode": mode, "seed": seed, "steps": args.steps,
+              "scores": accuracy_by_kind(module.float(), images, seed=seed),
+              "wall_seconds": time.perf_counter() - start}  # fmt: skip
+    (folder / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def summary(results: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    """Mean ± std per encoder, mode and kind of token, and the leaks with their paired intervals."""
+    def accuracies(encoder: str, mode: str, kind: str) -> dict[int, float]:
+        return {r["seed"]: r["scores"][kind]["accuracy"] for r in results if (r["encoder"], r["mode"]) == (encoder, mode)}
+
+    rows = []
+    for mode in modes:
+        for encoder in ENCODERS:
+            row: dict[str, Any] = {"encoder": encoder, "mode": mode}
+            for kind in [*KINDS, "all"]:
+                row[kind] = summarise(list(accuracies(encoder, mode, kind).values())).as_dict()
+            majority = {r["seed"]: r["scores"]["majority"] for r in results if (r["encoder"], r["mode"]) == (encoder, mode)}
+            row["majority"] = summarise(list(majority.values())).as_dict()
+            rows.append(row)
+    leaks = {f"{encoder} - vit, {mode}": paired(accuracies(encoder, mode, "masked"),
+                                                 accuracies("vit", mode, "masked")).as_dict()
+             for mode in modes for encoder in ENCODERS if encoder != "vit"}  # fmt: skip
+    return {"rows": rows, "leaks": leaks}
+
+
+def percent(value: dict[str, Any]) -> str:
+    return f"{100 * value['mean']:.1f} ± {100 * value['std']:.1f}"
+
+
+def interval(value: dict[str, Any]) -> str:
+    if value["low"] is None:
+        return f"{100 * value['mean']:+.1f} pts (one seed)"
+    return f"{100 * value['mean']:+.1f} pts [{100 * value['low']:+.1f}, {100 * value['high']:+.1f}]"
+
+
+def render(study: dict[str, Any]) -> str:
+    lines = [f"`{study['command']}`: {study['steps']} steps each, seeds {study['seeds']}, MPP accuracy (%) of one "
+             f"seeded draw of corruption of {study['count']} images of `{study['images']}`, mean ± std over seeds.",
+             "", "| encoder | blocks | [mask]ed | replaced | kept | all corrupted | [mask]ed majority class |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in study["summary"]["rows"]:
+        cells = [percent(row[kind]) for kind in (*KINDS, "all", "majority")]
+        lines.append(f"| {LABELS[row['encoder']]} | {row['mode']} | " + " | ".join(cells) + " |")
+    lines += ["", "[mask]ed accuracy against the pure ViT's, same seeds (paired; 95% interval over seeds):", ""]
+    lines += [f"- {name}: {interval(value)}" for name, value in study["summary"]["leaks"].items()]
+    wall = sum(r["wall_seconds"] for r in study["runs"])
+    lines += ["", f"Wall time of the {len(study['runs'])} runs: {wall / 60:.1f} min."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, help="pretraining steps per run (default 300; --quick 4)")
+    parser.add_argument("--seeds", type=int, help="seeds per encoder and mode (default 2; --quick 1)")
+    parser.add_argument("--trained", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the runs with nothing frozen (default: on)")  # fmt: skip
+    parser.add_argument("--images", default=IMAGES, help="shards whose images are scored")
+    parser.add_argument("--count", type=int, help="images scored (default 1000; --quick 64)")
+    parser.add_argument("--quick", action="store_true", help="a few steps, small batches: checks the plumbing")
+    parser.add_argument("--out", default="runs/leakage", help="folder of the runs")
+    parser.add_argument("--results", help="also write leakage.md and leakage.json to this folder")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (4 if args.quick else 300)
+    args.count = args.count or (64 if args.quick else 1000)
+    seeds = list(range(args.seeds or (1 if args.quick else 2)))
+    modes = ["frozen", "trained"] if args.trained else ["frozen"]
+    out = Path(args.out).absolute()
+    results_folder = Path(args.results).absolute() if args.results else None
+    command = "python tools/leakage.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    os.chdir(ROOT)  # the configs and the embedded shards are named relative to the project
+    torch.set_num_threads(os.cpu_count() or 1)
+    runs = [run_one(out, encoder, mode, seed, args) for mode in modes for encoder in ENCODERS for seed in seeds]
+    study = {"command": command.strip(), "steps": args.steps, "seeds": seeds, "images": args.images,
+             "count": args.count, "runs": runs, "summary": summary(runs, modes)}  # fmt: skip
+    table = render(study)
+    for folder in [out] + ([results_folder] if results_folder else []):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "leakage.json").write_text(json.dumps(study, indent=1))
+        (folder / "leakage.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
