@@ -190,7 +190,7 @@ def tool_arguments(argv: list[str]) -> list[str]:
     if argv[1].endswith("study.py"):  # --full needs Debian's FashionMNIST: what it would run, then
         if "--plan" in argv or "--full" in argv:
             return ["--plan"]
-        return ["--quick", "--budgets", "1000", "--no-ablation", "--seeds", "2", "--out", "runs/study-readme"]
+        return ["--quick", "--budgets", "1000", "--no-ablation", "--no-hybrid", "--seeds", "2", "--out", "runs/study-readme"]
     if argv[1].endswith("leakage.py"):
         return ["--quick", "--out", "runs/leakage-readme"]
     return []
@@ -211,7 +211,7 @@ def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> 
     if argv[1].endswith("inspect_shards.py"):
         assert "verified: 12 samples" in result.stdout
     if argv[1].endswith("study.py"):
-        shown = {"--full": "in all: 46 runs, 33,000 optimiser steps", "--plan": "in all: 82 runs, 33,400 optimiser steps"}
+        shown = {"--full": "in all: 46 runs, 33,000 optimiser steps", "--plan": "in all: 125 runs, 46,200 optimiser steps"}
         assert next((line for flag, line in shown.items() if flag in argv), "| MPP pretrained, fine-tuned − from scratch |") in result.stdout
     if argv[1].endswith("study.py") and "--results" in argv and "--full" not in argv:
         assert (user / argv[argv.index("--results") + 1] / "study.json").is_file()

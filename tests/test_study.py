@@ -15,7 +15,19 @@ import yaml
 from workspace import ROOT, environment
 
 from mpp.eval.stats import paired, summarise, t_quantile
-from mpp.eval.study import ARMS, VARIANTS, Plan, Settings, Splits, audit_test_reads, metric_curve, outline
+from mpp.eval.study import (
+    ARMS,
+    FIRST_ARMS,
+    VARIANTS,
+    Plan,
+    Settings,
+    Splits,
+    audit_test_reads,
+    extends,
+    metric_curve,
+    note_arms,
+    outline,
+)
 
 
 @pytest.mark.parametrize(("df", "expected"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (30, 2.0423)])
@@ -40,7 +52,9 @@ def test_summaries_and_paired_differences() -> None:
 def settings(**changes: object) -> Settings:
     splits = Splits(pool="pool.tar", val="val.tar", test="test.tar", labels={100: "l100.tar", 900: "l900.tar"},
                     supervised={100: "sup.tar"})
-    base = dict(splits=splits, configs={"pretrain": "p.yaml", "finetune": "f.yaml", "scratch": "s.yaml"},
+    configs = {"pretrain": "p.yaml", "finetune": "f.yaml", "scratch": "s.yaml", "hybrid_pretrain": "hp.yaml",
+               "hybrid_finetune": "hf.yaml", "hybrid_scratch": "hs.yaml"}
+    base = dict(splits=splits, configs=configs,
                 seeds=(0, 1, 2), pretrain_steps=600, finetune_steps=500, finetune_lrs=(0.01, 0.03),
                 scratch_lrs=(1e-3, 3e-3), ablation=("pixels",), ablation_seeds=2)
     return Settings(**{**base, **changes})  # type: ignore[arg-type]
@@ -53,13 +67,15 @@ def option(job, name: str) -> str:
 def test_the_plan_holds_every_arm_and_no_fit_reads_the_test_set() -> None:
     s = settings()
     plan = Plan(s)
-    assert s.arms(100) == list(ARMS) and s.arms(900) == ["scratch", "matched", "mpp"]  # no disjoint labels
+    assert s.arms(100) == list(ARMS)  # 900 labels leave no disjoint ones for supervised pretraining:
+    assert s.arms(900) == ["scratch", "matched", "mpp", "hybrid_scratch", "hybrid_mpp"]
     assert s.val_every == 100 and settings(pretrain_steps=6, finetune_steps=4).val_every == 2
     ready, finished = plan.ready({})
     names = [job.name for job in ready]
     assert not finished
     # Nothing that needs a pretrained encoder starts before it exists; the test set waits for every choice.
-    assert not [n for n in names if "/mpp/" in n or "/supervised/" in n.removeprefix("supervised/")]
+    assert not [n for n in names if "mpp/" in n.removeprefix("pretrain/") or "/supervised/" in n.removeprefix("supervised/")]
+    assert {"pretrain/hybrid/seed0", "pretrain/hybrid/seed2", "b100/hybrid_scratch/lr0.001/seed0"} <= set(names)
     assert not [job for job in ready if job.reads_test]
     assert names.index("pretrain/colour3/seed0") == 0
     assert {"pretrain/pixels/seed0", "pretrain/pixels/seed1"} <= set(names) and "pretrain/pixels/seed2" not in names
@@ -72,6 +88,10 @@ def test_the_plan_holds_every_arm_and_no_fit_reads_the_test_set() -> None:
     assert (option(matched, "--trainer.max_steps"), option(scratch, "--trainer.max_steps")) == ("1100", "500")
     assert option(plan.fit(900, "mpp", 0.01, 2), "--model.init_args.pretrained") == "{run:pretrain/colour3/seed2}"
     assert option(plan.fit(100, "supervised", 0.01, 1), "--model.init_args.pretrained") == "{run:supervised/b100/seed1}"
+    hybrid = plan.fit(900, "hybrid_mpp", 0.01, 1)
+    assert option(hybrid, "--model.init_args.pretrained") == "{run:pretrain/hybrid/seed1}" and hybrid.config == "hf.yaml"
+    assert plan.fit(100, "hybrid_scratch", 1e-3, 0).config == "hs.yaml" and s.lrs("hybrid_scratch") == s.scratch_lrs
+    assert next(j for j in plan.pretraining() if j.name == "pretrain/hybrid/seed2").config == "hp.yaml"
     assert option(plan.fit(100, "mpp", 0.03, 1), "--seed_everything") == option(plan.fit(100, "mpp", 0.03, 1), "--data.seed") == "1"
 
 
@@ -80,7 +100,8 @@ def test_choices_are_made_on_validation_with_the_first_seed_then_finals_and_test
     plan = Plan(s)
     results: dict[str, dict] = {job.name: {} for job in plan.pretraining()}
     val = {"scratch": {1e-3: 0.5, 3e-3: 0.6}, "matched": {1e-3: 0.7, 3e-3: 0.7}, "mpp": {0.01: 0.8, 0.03: 0.4},
-           "supervised": {0.01: 0.1, 0.03: 0.9}}
+           "supervised": {0.01: 0.1, 0.03: 0.9}, "hybrid_scratch": {1e-3: 0.3, 3e-3: 0.2},
+           "hybrid_mpp": {0.01: 0.2, 0.03: 0.3}}
     for budget in s.budgets:
         for arm in s.arms(budget):
             assert plan.choose(budget, arm, results) is None
@@ -90,7 +111,8 @@ def test_choices_are_made_on_validation_with_the_first_seed_then_finals_and_test
     choices = plan.all_choices(results)
     assert {k: c["lr"] for k, c in choices.items()} == {
         "b100/scratch": 3e-3, "b100/matched": 1e-3, "b100/mpp": 0.01, "b100/supervised": 0.03,  # a tie: the first
-        "b900/scratch": 3e-3, "b900/matched": 1e-3, "b900/mpp": 0.01}
+        "b100/hybrid_scratch": 1e-3, "b100/hybrid_mpp": 0.03,
+        "b900/scratch": 3e-3, "b900/matched": 1e-3, "b900/mpp": 0.01, "b900/hybrid_scratch": 1e-3, "b900/hybrid_mpp": 0.03}
     ready, _ = plan.ready(results)
     finals = {job.name for job in ready if job.kind == "fit"}
     assert "b100/mpp/lr0.01/seed1" in finals and "b100/mpp/lr0.03/seed1" not in finals
@@ -124,6 +146,33 @@ def test_the_audit_flags_a_test_read_before_a_choice_or_by_a_run_that_is_no_eval
     assert audit_test_reads(plan, choices, clean[1:])["problems"] == [f"{clean[0]['job']} never read the test set"]
 
 
+def test_arms_added_to_a_study_are_chosen_after_its_first_test_reads_and_audited_from_when_they_joined(tmp_path: Path):
+    first = settings(selected_arms=FIRST_ARMS).as_dict()
+    first.pop("selected_arms")  # as a study saved before settings named their arms
+    first["configs"] = {k: v for k, v in first["configs"].items() if not k.startswith("hybrid")}
+    s = settings()
+    assert extends(first, s.as_dict()) and extends(s.as_dict(), s.as_dict())
+    assert not extends(s.as_dict(), first)  # arms are only ever added
+    assert not extends(first, settings(finetune_steps=400).as_dict())
+    assert not extends(first, {**s.as_dict(), "configs": {**s.as_dict()["configs"], "pretrain": "other.yaml"}})
+    joined = note_arms(tmp_path, first, s)
+    assert {arm: joined[arm] for arm in FIRST_ARMS} == dict.fromkeys(FIRST_ARMS, 0.0)
+    assert joined["hybrid_mpp"] == joined["hybrid_scratch"] > 0 and note_arms(tmp_path, s.as_dict(), s) == joined
+
+    plan, added = Plan(s), joined["hybrid_mpp"]
+    choices = {f"b{b}/{a}": {"lr": s.lrs(a)[0], "time": added + 100.0 if a.startswith("hybrid") else 100.0}
+               for b in s.budgets for a in s.arms(b)}  # fmt: skip
+    old = [{"job": job.name, "time": 200.0} for job in plan.evaluations(choices) if "hybrid" not in job.name]
+    new = [{"job": job.name, "time": added + 200.0} for job in plan.evaluations(choices) if "hybrid" in job.name]
+    audit = audit_test_reads(plan, choices, old + new, joined)
+    assert audit["problems"] == [] and audit["arms_added_later"] == ["hybrid_mpp", "hybrid_scratch"]
+    # Without the record of when they joined, the first reads came before the hybrid arms' choices.
+    assert len(audit_test_reads(plan, choices, old + new)["problems"]) == len(old)
+    # Once the hybrid arms joined, no read may come before their choices.
+    early = [*old, {**new[0], "time": added + 50.0}, *new[1:]]
+    assert audit_test_reads(plan, choices, early, joined)["problems"] == [f"{new[0]['job']} read the test set before the last choice"]
+
+
 def test_metric_curves_count_steps_from_one_and_keep_the_last_of_a_repeated_step(tmp_path: Path) -> None:
     path = tmp_path / "metrics.csv"
     path.write_text("epoch,step,train/loss,val/accuracy\n0,9,1.0,\n0,99,,0.5\n0,199,,0.6\n0,99,,0.55\n0,199,,0.65\n")
@@ -134,24 +183,37 @@ def test_metric_curves_count_steps_from_one_and_keep_the_last_of_a_repeated_step
 def test_the_outline_counts_every_run() -> None:
     s = settings()
     lines = outline(s)
-    # 3 seeds of the default objective + 2 of pixels; 3 supervised; grids of 2 and 2 more seeds per arm.
-    assert "pretrain: 5 runs, 3,000 steps" in lines and "supervised: 3 runs, 1,800 steps" in lines
-    fits = {"scratch": 500, "matched": 1100, "mpp": 500, "supervised": 500}
+    # 3 seeds of the default objective + 2 of pixels + 3 of the hybrid; 3 supervised; grids of 2 and 2 more
+    # seeds per arm.
+    assert "pretrain: 8 runs, 4,800 steps" in lines and "supervised: 3 runs, 1,800 steps" in lines
+    fits = {"scratch": 500, "matched": 1100, "mpp": 500, "supervised": 500, "hybrid_scratch": 500, "hybrid_mpp": 500}
     steps = sum(3 * fits[a] + fits[a] for b in s.budgets for a in s.arms(b))  # 2 grid lrs (1 is seed 0) + 2 seeds
     assert f"fine-tuning: {sum(4 for b in s.budgets for _ in s.arms(b))} runs, {steps:,} steps" in lines
     assert len(VARIANTS) == 5
+    assert "pretrain: 5 runs, 3,000 steps" in outline(settings(selected_arms=FIRST_ARMS))
 
 
 def test_quick_study_end_to_end(tmp_path: Path) -> None:
+    """--quick without the hybrid arms, then with them added to the same study, then again: nothing left."""
     out = tmp_path / "study"
     command = [sys.executable, "tools/study.py", "--quick", "--out", str(out)]
     started = time.time()
-    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=900)
+    result = subprocess.run([*command, "--no-hybrid"], cwd=ROOT, env=environment(), capture_output=True, text=True,
+                            timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first = json.loads((out / "study.json").read_text())
+    assert list(first["budgets"]["1000"]["arms"]) == list(FIRST_ARMS) and first["test_set"]["problems"] == []
+    first_reads = len((out / "test_reads.jsonl").read_text().splitlines())
+    assert first_reads == first["test_set"]["evaluations"] == 20
+
+    extended = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=900)
+    assert extended.returncode == 0, extended.stdout[-3000:] + extended.stderr[-3000:]
+    started_now = [line.split()[-1] for line in extended.stdout.splitlines() if line.startswith("study: start")]
+    assert started_now and all("hybrid" in name for name in started_now)  # the first arms' runs are kept
     study = json.loads((out / "study.json").read_text())
     assert set(study["budgets"]) == {"1000", "9000"}
     assert list(study["budgets"]["1000"]["arms"]) == list(ARMS)
-    assert list(study["budgets"]["9000"]["arms"]) == ["scratch", "matched", "mpp"]
+    assert list(study["budgets"]["9000"]["arms"]) == ["scratch", "matched", "mpp", "hybrid_scratch", "hybrid_mpp"]
     for budget, numbers in study["budgets"].items():
         for arm, found in numbers["arms"].items():
             assert found["test_accuracy"]["n"] == 2 and len(found["test_accuracy_by_seed"]) == 2
@@ -161,33 +223,45 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
             assert found["lr"] == float(max(grid, key=lambda lr: grid[lr])[2:])  # the best on validation
             assert found["steps"] == (10 if arm == "matched" else 4)
             assert [step for step, _ in found["val_curves"]["0"]][-1] == found["pretrain_steps"] + found["steps"]
-        assert set(numbers["differences"]) == {"mpp - scratch", "mpp - matched"} | (
-            {"supervised - mpp"} if budget == "1000" else set())
+            if arm in FIRST_ARMS:
+                assert found == first["budgets"][budget]["arms"][arm]
+        assert set(numbers["differences"]) == {"mpp - scratch", "mpp - matched", "hybrid_mpp - hybrid_scratch",
+                                               "hybrid_mpp - mpp", "hybrid_scratch - scratch"} | (
+            {"supervised - mpp"} if budget == "1000" else set())  # fmt: skip
         for diff in numbers["differences"].values():
             assert diff["n"] == 2 and diff["low"] <= diff["mean"] <= diff["high"]
+        assert set(numbers["frozen_pretrained"]) == {"mpp", "hybrid_mpp"} | ({"supervised"} if budget == "1000" else set())
     assert set(study["ablation"]) == {v.name for v in VARIANTS}
     for variant in study["ablation"].values():
         assert variant["validation"]["10-shot"]["n"] == 2
-    # No choice read the test set: every read came from a final evaluation, after the last choice...
+    # No choice read the test set: every read came from a final evaluation, after the last choice of the
+    # arms the study had then...
     audit = study["test_set"]
-    assert audit["problems"] == [] and audit["reads"] == audit["evaluations"] == 20
+    assert audit["problems"] == [] and audit["reads"] == audit["evaluations"] == 20 + 12
+    assert audit["arms_added_later"] == ["hybrid_mpp", "hybrid_scratch"]
     reads = [json.loads(line) for line in (out / "test_reads.jsonl").read_text().splitlines()]
     choices = json.loads((out / "choices.json").read_text())
-    assert len(choices) == 7 and min(r["time"] for r in reads) >= max(c["time"] for c in choices.values()) >= started
+    assert len(choices) == 11
+    first_choices = [c["time"] for key, c in choices.items() if "hybrid" not in key]
+    hybrid_choices = [c["time"] for key, c in choices.items() if "hybrid" in key]
+    assert min(r["time"] for r in reads[:first_reads]) >= max(first_choices) >= started
+    assert min(r["time"] for r in reads[first_reads:]) >= max(hybrid_choices) > max(r["time"] for r in reads[:first_reads])
     assert all(r["job"].endswith("/test") or r["job"].startswith("frozen/") for r in reads)
     # ...and no fit was given the test set: each saved config validates on the held-out split.
     configs = [p for p in (out / "runs").glob("**/config.yaml") if p.parent.name != "test"]
-    assert len(configs) == 12 + 14 + 7  # pretraining, grids, other seeds' finals
+    assert len(configs) == 14 + 22 + 11  # pretraining, grids, other seeds' finals
     for path in configs:
         data = yaml.safe_load(path.read_text())["data"]
         assert data["test"] is None and data["val"] == "shards/fashion-mnist/train-000009.tar"
         assert "test-" not in str(data["train"])
     table = (out / "study.md").read_text()
     assert "| MPP pretrained, fine-tuned − from scratch, matched compute |" in table and "### Ablation" in table
+    assert "| hybrid MPP pretrained, fine-tuned − hybrid from scratch |" in table and "| hybrid MPP |" in table
+    assert "Arms added to the study later" in table
     assert (out / "accuracy.png").stat().st_size > 10_000 and (out / "curves.png").stat().st_size > 10_000
     # The same command again resumes: nothing is run twice, the numbers stay.
     again = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "study: start" not in again.stdout
     assert json.loads((out / "study.json").read_text())["budgets"] == study["budgets"]
-    assert json.loads((out / "study.json").read_text())["wall_seconds"]["attempts"] == 2
+    assert json.loads((out / "study.json").read_text())["wall_seconds"]["attempts"] == 3

@@ -1,6 +1,8 @@
-"""Does masked patch prediction help? Four arms over seeds and two label budgets, learning rates chosen
+"""Does masked patch prediction help? Arms over seeds and two label budgets, learning rates chosen
 on a held-out validation split, the test set read once per final run: a table with mean ± std, paired
 differences with 95% intervals, the ablation of the pretraining objective, and plots (mpp.eval.study).
+The arms: from scratch, from scratch with matched compute, MPP, supervised pretraining, and the hybrid
+(the demo ViT on a ResNet stem) from scratch and with MPP.
 
     python tools/study.py                      # the embedded sample: 9,000 pool images, 1,000 held out
     python tools/study.py --full               # all 60,000 FashionMNIST training images, 10,000 test
@@ -12,7 +14,7 @@ pretraining on train-000001..8 (labels the 1,000 do not hold; the 9,000 budget h
 so no supervised arm); test: the 1,000 embedded test images. --full makes shards of the Debian package
 dataset-fashion-mnist (`apt-get install dataset-fashion-mnist`) first, holds out train-000055..59
 (5,000), pretrains 2,000 steps on the other 55,000 and fine-tunes on train-000000 (1,000 labels); its
-ablation is off unless --ablation (the default study measures it).
+ablation and hybrid arms are off unless --ablation and --hybrid (the default study measures them).
 
 Runs resume: the same command again skips finished runs and resumes the others from their last
 checkpoint. Every run folder (under --out/runs) has its log, config, metrics.csv and checkpoints.
@@ -35,7 +37,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mpp.eval.study import ARMS, VARIANTS, Settings, Splits, outline, run_study, summarise_study  # noqa: E402
+from mpp.eval.study import (  # noqa: E402
+    ARMS,
+    FIRST_ARMS,
+    VARIANTS,
+    Settings,
+    Splits,
+    extends,
+    note_arms,
+    outline,
+    run_study,
+    summarise_study,
+)
 from mpp.shards.sources import FASHION_MNIST_DIR  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +56,9 @@ CONFIGS = {
     "pretrain": "configs/pretrain/demo.yaml",
     "finetune": "configs/finetune/demo.yaml",
     "scratch": "configs/scratch/demo.yaml",
+    "hybrid_pretrain": "configs/pretrain/demo_hybrid.yaml",
+    "hybrid_finetune": "configs/finetune/demo_hybrid.yaml",
+    "hybrid_scratch": "configs/scratch/demo_hybrid.yaml",
 }
 SAMPLE = "shards/fashion-mnist"
 FULL = "shards/fashion-mnist-full"
@@ -98,6 +114,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         )
     default_pretrain = 6 if quick else (2000 if args.full else 600)
     ablation = not args.full if args.ablation is None else args.ablation
+    hybrid = not args.full if args.hybrid is None else args.hybrid
     return Settings(
         splits=splits,
         configs=CONFIGS,
@@ -111,6 +128,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         overrides=QUICK if quick else (),
         checkpoint_every=2 if quick else 100,
         frozen_max_train=1000 if quick else 10000,
+        selected_arms=tuple(ARMS) if hybrid else FIRST_ARMS,
     )
 
 
@@ -153,7 +171,7 @@ def render(study: dict[str, Any], command: str) -> str:
         lines.append("|" + "---|" * (len(shots) + 3))
         for key, scores in numbers["frozen_pretrained"].items():
             cells = [pct(scores[k]) for k in [*shots, "k-NN", "linear probe"]]
-            lines.append(f"| {'MPP' if key == 'mpp' else 'supervised'} | " + " | ".join(cells) + " |")
+            lines.append(f"| {FROZEN_LABELS[key]} | " + " | ".join(cells) + " |")
         lines.append("")
     if study["ablation"]:
         seeds = s["ablation_seeds"]
@@ -169,28 +187,34 @@ def render(study: dict[str, Any], command: str) -> str:
         lines.append("")
     audit, wall = study["test_set"], study["wall_seconds"]
     lines += [
-        f"Test set: read {audit['reads']} times by {audit['evaluations']} final evaluations, all after the last "
-        f"choice{'; problems: ' + '; '.join(audit['problems']) if audit['problems'] else ''}.",
+        f"Test set: read {audit['reads']} times by {audit['evaluations']} final evaluations, "
+        + (f"with problems: {'; '.join(audit['problems'])}." if audit["problems"] else "all after the last choice.")
+        + (f" Arms added to the study later (their learning rates chosen on validation after the other arms' test "
+           f"reads): {', '.join(ARMS[a] for a in audit['arms_added_later'])}." if audit.get("arms_added_later") else ""),
         f"Wall time: {wall['elapsed'] / 60:.0f} min over {wall['attempts']} invocation(s) "
         f"(run time by kind: {', '.join(f'{k} {v / 60:.0f} min' for k, v in wall['jobs_by_kind'].items())}).",
     ]
     return "\n".join(lines)
 
 
+FROZEN_LABELS = {"mpp": "MPP", "supervised": "supervised", "hybrid_mpp": "hybrid MPP"}
+
+
 def plot_accuracy(study: dict[str, Any], path: Path) -> None:
     """Test top-1 per arm and budget: bars of the mean, error bars of the std over seeds."""
     budgets = list(study["budgets"])
     figure, axes = plt.subplots(figsize=(7, 4), dpi=120)
-    width = 0.8 / len(ARMS)
-    for index, (arm, label) in enumerate(ARMS.items()):
+    present = [arm for arm in ARMS if any(arm in b["arms"] for b in study["budgets"].values())]
+    width = 0.8 / len(present)
+    for index, arm in enumerate(present):
         xs, means, stds = [], [], []
         for position, budget in enumerate(budgets):
             numbers = study["budgets"][budget]["arms"].get(arm)
             if numbers:
-                xs.append(position + (index - (len(ARMS) - 1) / 2) * width)
+                xs.append(position + (index - (len(present) - 1) / 2) * width)
                 means.append(100 * numbers["test_accuracy"]["mean"])
                 stds.append(100 * numbers["test_accuracy"]["std"])
-        axes.bar(xs, means, width, yerr=stds, capsize=3, label=label)
+        axes.bar(xs, means, width, yerr=stds, capsize=3, label=ARMS[arm])
     axes.set_xticks(range(len(budgets)), [f"{int(b):,} labels" for b in budgets])
     axes.set_ylabel("test top-1 (%)")
     low = min(100 * a["test_accuracy"]["mean"] for b in study["budgets"].values() for a in b["arms"].values())
@@ -247,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         help="the ablation of the pretraining objective (default: on, but off with --full)",
     )
+    parser.add_argument(
+        "--hybrid",
+        action=argparse.BooleanOptionalAction,
+        help="the hybrid arms, the demo ViT on a ResNet stem (default: on, but off with --full)",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cores/jobs threads")
     parser.add_argument("--out", help="folder of the runs and results (default runs/study, runs/study-full)")
     parser.add_argument("--plan", action="store_true", help="say what the study would run, and stop")
@@ -262,11 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.full:
         make_full_shards()
-    saved = out / "settings.json"
-    if saved.exists() and json.loads(saved.read_text()) != json.loads(json.dumps(settings.as_dict())):
+    path = out / "settings.json"
+    saved = json.loads(path.read_text()) if path.exists() else None
+    if saved is not None and not extends(saved, json.loads(json.dumps(settings.as_dict()))):
         raise SystemExit(f"study: {out} holds a study with other settings; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(settings.as_dict(), indent=1))
+    note_arms(out, saved, settings)
+    path.write_text(json.dumps(settings.as_dict(), indent=1))
     start = time.time()
     run_study(settings, out, jobs=args.jobs)
     study = summarise_study(settings, out)

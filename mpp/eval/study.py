@@ -1,16 +1,19 @@
-"""Does masked patch prediction help, with error bars? A study of four arms over seeds and label budgets,
+"""Does masked patch prediction help, with error bars? A study of arms over seeds and label budgets,
 each run an `mpp fit` of the shipped configs with overrides, in worker processes, resumable.
 
 Arms (`ARMS`): from scratch (the fine-tuning steps); from scratch with matched compute (pretraining
 plus fine-tuning steps); MPP pretrained on the unlabelled pool, then fine-tuned; supervised pretraining
-on labelled images the fine-tuning set does not hold, then fine-tuned. Every choice (each arm's learning
+on labelled images the fine-tuning set does not hold, then fine-tuned; and the hybrid encoder (the
+ViT on a ResNet stem) from scratch and MPP pretrained, then fine-tuned. Every choice (each arm's learning
 rate, from its grid, with the first seed) is made on a validation split held out from the training
 pool; the test set is read only after every choice is made, once per final run (and once per frozen
 pretrained encoder). The ablation of the pretraining objective (`VARIANTS`) is judged by few-shot
 accuracy of the frozen encoder on the validation split.
 
 A run's folder holds its checkpoints, metrics.csv and result.json; a study started again skips the
-runs with a result and resumes the others from their last checkpoint (exactly, mpp.data.resume).
+runs with a result and resumes the others from their last checkpoint (exactly, mpp.data.resume). A
+study may be started again with arms added (`extends`): arms.json records when each arm joined, and
+the test set must then have been read after every choice of the arms the study had at that time.
 """
 
 from __future__ import annotations
@@ -36,7 +39,19 @@ ARMS = {
     "matched": "from scratch, matched compute",
     "mpp": "MPP pretrained, fine-tuned",
     "supervised": "supervised pretrained, fine-tuned",
+    "hybrid_scratch": "hybrid from scratch",
+    "hybrid_mpp": "hybrid MPP pretrained, fine-tuned",
 }
+# The run config (a key of Settings.configs) of each arm's fine-tuning or from-scratch runs.
+ARM_CONFIGS = {"scratch": "scratch", "matched": "scratch", "mpp": "finetune", "supervised": "finetune",
+               "hybrid_scratch": "hybrid_scratch", "hybrid_mpp": "hybrid_finetune"}  # fmt: skip
+FROM_SCRATCH = ("scratch", "matched", "hybrid_scratch")
+PRETRAINED = ("mpp", "supervised", "hybrid_mpp")
+# The paired differences reported, first − second, where a budget has both arms.
+PAIRS = [("mpp", "scratch"), ("mpp", "matched"), ("supervised", "mpp"), ("hybrid_mpp", "hybrid_scratch"),
+         ("hybrid_mpp", "mpp"), ("hybrid_scratch", "scratch")]  # fmt: skip
+# The arms of a study saved before settings named their arms.
+FIRST_ARMS = ("scratch", "matched", "mpp", "supervised")
 
 
 @dataclass(frozen=True)
@@ -79,7 +94,8 @@ class Splits:
 @dataclass(frozen=True)
 class Settings:
     splits: Splits
-    configs: dict[str, str]  # {"pretrain", "finetune", "scratch"}: run configs
+    # run configs: pretrain, finetune, scratch, and for the hybrid arms hybrid_pretrain, hybrid_finetune, hybrid_scratch
+    configs: dict[str, str]
     seeds: tuple[int, ...]
     pretrain_steps: int
     finetune_steps: int
@@ -91,6 +107,7 @@ class Settings:
     overrides: tuple[str, ...] = ()  # for every fit, e.g. a smaller batch
     checkpoint_every: int = 100
     frozen_max_train: int = 10000  # labelled images a frozen evaluation learns from, at most
+    selected_arms: tuple[str, ...] = tuple(ARMS)  # supervised runs only for budgets with a supervised split
 
     @property
     def budgets(self) -> list[int]:
@@ -104,10 +121,10 @@ class Settings:
         return max(d for d in range(1, min(common, 100) + 1) if common % d == 0)
 
     def arms(self, budget: int) -> list[str]:
-        return [arm for arm in ARMS if arm != "supervised" or budget in self.splits.supervised]
+        return [arm for arm in ARMS if arm in self.selected_arms and (arm != "supervised" or budget in self.splits.supervised)]
 
     def lrs(self, arm: str) -> tuple[float, ...]:
-        return self.scratch_lrs if arm in ("scratch", "matched") else self.finetune_lrs
+        return self.scratch_lrs if arm in FROM_SCRATCH else self.finetune_lrs
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,6 +169,36 @@ def supervised_name(budget: int, seed: int) -> str:
     return f"supervised/b{budget}/seed{seed}"
 
 
+def hybrid_pretrain_name(seed: int) -> str:
+    return f"pretrain/hybrid/seed{seed}"
+
+
+def extends(saved: dict[str, Any], settings: dict[str, Any]) -> bool:
+    """Whether a study saved with the settings `saved` goes on under `settings`: the same, or with arms
+    (and the configs they run) added."""
+    saved, settings = ({"selected_arms": list(FIRST_ARMS), **values} for values in (saved, settings))
+    rest = [key for key in {**saved, **settings} if key not in ("selected_arms", "configs")]
+    return (
+        set(saved["selected_arms"]) <= set(settings["selected_arms"])
+        and all(settings["configs"].get(key) == value for key, value in saved["configs"].items())
+        and all(saved.get(key) == settings.get(key) for key in rest)
+    )
+
+
+def note_arms(out: Path, saved: dict[str, Any] | None, settings: Settings) -> dict[str, float]:
+    """arms.json: when each arm joined the study (0: with its first settings), updated for added arms."""
+    path = out / "arms.json"
+    if path.exists():
+        joined = json.loads(path.read_text())
+    else:
+        first = settings.selected_arms if saved is None else saved.get("selected_arms", FIRST_ARMS)
+        joined = dict.fromkeys(first, 0.0)
+    now = time.time()
+    joined.update({arm: now for arm in settings.selected_arms if arm not in joined})
+    path.write_text(json.dumps(joined, indent=1))
+    return joined
+
+
 class Plan:
     """Which jobs a study runs, given what has finished: `ready(results)` lists the jobs whose inputs
     exist, in the order to start them; choices are made as soon as a grid is complete."""
@@ -184,7 +231,12 @@ class Plan:
                 jobs.append(
                     Job(pretrain_name(variant.name, seed), "fit", s.configs["pretrain"], overrides, frozen=frozen)
                 )
-        for budget, shards in sorted(s.splits.supervised.items()):
+        if "hybrid_mpp" in s.selected_arms:
+            for seed in s.seeds:
+                overrides = ("--data.train", s.splits.pool, *self._seeded(seed, s.pretrain_steps))
+                frozen = (s.splits.labels[s.budgets[0]], s.splits.val)
+                jobs.append(Job(hybrid_pretrain_name(seed), "fit", s.configs["hybrid_pretrain"], overrides, frozen=frozen))
+        for budget, shards in sorted(s.splits.supervised.items() if "supervised" in s.selected_arms else []):
             for seed in s.seeds:
                 overrides = ("--data.train", shards, *self._seeded(seed, s.pretrain_steps))
                 jobs.append(Job(supervised_name(budget, seed), "fit", s.configs["scratch"], overrides))
@@ -194,15 +246,25 @@ class Plan:
         """A fine-tuning (or from-scratch) run of an arm."""
         s = self.s
         steps = s.pretrain_steps + s.finetune_steps if arm == "matched" else s.finetune_steps
-        config = s.configs["scratch" if arm in ("scratch", "matched") else "finetune"]
         overrides = [
             "--data.train", s.splits.labels[budget], *self._seeded(seed, steps),
             "--model.init_args.optimizer.lr", f"{lr:g}",
         ]  # fmt: skip
-        if arm in ("mpp", "supervised"):
-            source = pretrain_name(DEFAULT_VARIANT, seed) if arm == "mpp" else supervised_name(budget, seed)
-            overrides += ["--model.init_args.pretrained", f"{{run:{source}}}"]
-        return Job(fit_name(budget, arm, lr, seed), "fit", config, tuple(overrides))
+        if arm in PRETRAINED:
+            overrides += ["--model.init_args.pretrained", f"{{run:{self.source(budget, arm, seed)}}}"]
+        return Job(fit_name(budget, arm, lr, seed), "fit", s.configs[ARM_CONFIGS[arm]], tuple(overrides))
+
+    @staticmethod
+    def source(budget: int, arm: str, seed: int) -> str:
+        """The pretraining run a pretrained arm's run with `seed` fine-tunes."""
+        if arm == "supervised":
+            return supervised_name(budget, seed)
+        return hybrid_pretrain_name(seed) if arm == "hybrid_mpp" else pretrain_name(DEFAULT_VARIANT, seed)
+
+    def pretrained_sources(self, budget: int) -> dict[str, list[str]]:
+        """{pretrained arm: its pretraining runs, one per seed} for the arms of a budget."""
+        return {arm: [self.source(budget, arm, seed) for seed in self.s.seeds]
+                for arm in self.s.arms(budget) if arm in PRETRAINED}  # fmt: skip
 
     @staticmethod
     def needs(job: Job) -> list[str]:
@@ -245,9 +307,7 @@ class Plan:
                     jobs.append(
                         Job(job.name + "/test", "test", config, overrides, job.name, (labels, s.splits.test), True)
                     )
-            sources = [pretrain_name(DEFAULT_VARIANT, seed) for seed in s.seeds]
-            sources += [supervised_name(budget, seed) for seed in s.seeds if budget in s.splits.supervised]
-            for source in sources:
+            for source in (name for names in self.pretrained_sources(budget).values() for name in names):
                 jobs.append(
                     Job(
                         f"frozen/b{budget}/{source}",
@@ -515,21 +575,29 @@ def test_reads(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def audit_test_reads(plan: Plan, choices: dict[str, dict[str, Any]], reads: list[dict[str, Any]]) -> dict[str, Any]:
+def audit_test_reads(
+    plan: Plan, choices: dict[str, dict[str, Any]], reads: list[dict[str, Any]], joined: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Whether the test set was read only by the evaluations of final runs and pretrained encoders, each
-    once, and only after the last choice was made."""
+    once, and only after the last choice was made, of the arms the study had then (`joined`: when each
+    arm joined the study, arms.json; None: all with its first settings)."""
     allowed = {job.name for job in plan.evaluations(choices)}
-    last_choice = max(choice["time"] for choice in choices.values())
+    joined = joined or dict.fromkeys(plan.s.selected_arms, 0.0)
     counts: dict[str, int] = {}
     for read in reads:
         counts[read["job"]] = counts.get(read["job"], 0) + 1
     problems = [f"{name} read the test set but is no final evaluation" for name in counts if name not in allowed]
-    problems += [f"{r['job']} read the test set before the last choice" for r in reads if r["time"] < last_choice]
+    for read in reads:
+        then = [choice["time"] for key, choice in choices.items() if joined.get(key.split("/", 1)[1], 0.0) <= read["time"]]
+        if read["time"] < max(then, default=0.0):
+            problems.append(f"{read['job']} read the test set before the last choice")
     problems += [f"{name} never read the test set" for name in sorted(allowed - set(counts))]
+    first = min(joined.values(), default=0.0)
     return {
         "reads": len(reads),
         "evaluations": len(allowed),
         "read_more_than_once": sorted(name for name, n in counts.items() if n > 1),
+        "arms_added_later": sorted(arm for arm, time_ in joined.items() if time_ > first),
         "problems": problems,
     }
 
@@ -547,6 +615,7 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
     """Everything the study measured, as one JSON-able mapping."""
     plan, results = Plan(settings), read_results(out)
     choices = json.loads((out / "choices.json").read_text())
+    joined = json.loads((out / "arms.json").read_text()) if (out / "arms.json").exists() else None
     seeds, pre = settings.seeds, settings.pretrain_steps
     budgets: dict[str, Any] = {}
     for budget in settings.budgets:
@@ -555,7 +624,7 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
             choice = choices[f"b{budget}/{arm}"]
             finals = dict(zip(seeds, plan.finals(budget, arm, choice["lr"])))
             test = {seed: results[job.name + "/test"]["test_accuracy"] for seed, job in finals.items()}
-            offset = pre if arm in ("mpp", "supervised") else 0  # curves against all optimiser steps
+            offset = pre if arm in PRETRAINED else 0  # curves against all optimiser steps
             arms[arm] = {
                 "label": ARMS[arm],
                 "lr": choice["lr"],
@@ -572,10 +641,9 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
                 "wall_seconds": sum(results[job.name]["wall_seconds"] for job in finals.values()) / len(finals),
             }
         by_seed = {arm: {int(s): v for s, v in arms[arm]["test_accuracy_by_seed"].items()} for arm in arms}
-        pairs = [("mpp", "scratch"), ("mpp", "matched")] + ([("supervised", "mpp")] if "supervised" in arms else [])
-        pretrained = {"mpp": {s: f"frozen/b{budget}/{pretrain_name(DEFAULT_VARIANT, s)}" for s in seeds}}
-        if "supervised" in arms:
-            pretrained["supervised"] = {s: f"frozen/b{budget}/{supervised_name(budget, s)}" for s in seeds}
+        pairs = [(a, b) for a, b in PAIRS if a in arms and b in arms]
+        pretrained = {arm: {seed: f"frozen/b{budget}/{name}" for seed, name in zip(seeds, names)}
+                      for arm, names in plan.pretrained_sources(budget).items()}  # fmt: skip
         budgets[str(budget)] = {
             "labels": settings.splits.labels[budget],
             "arms": arms,
@@ -597,7 +665,7 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
         "settings": settings.as_dict(),
         "budgets": budgets,
         "ablation": ablation,
-        "test_set": audit_test_reads(plan, choices, test_reads(out)),
+        "test_set": audit_test_reads(plan, choices, test_reads(out), joined),
         "wall_seconds": {
             "elapsed": sum((a["end"] or a["start"]) - a["start"] for a in attempts),
             "attempts": len(attempts),
