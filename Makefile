@@ -29,8 +29,8 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/python tools/compare.py --out runs/demo
 
-# Does MPP help? Four arms x 3 seeds x 2 label budgets, learning rates chosen on a held-out split, and the
-# ablation of the objective, into results/study (about 1.5 hours on two CPU cores; it resumes).
+# Does MPP help? Six arms (the hybrid's two among them) x 3 seeds x 2 label budgets, learning rates chosen on
+# a held-out split, and the ablation of the objective, into results/study (hours on two CPU cores; it resumes).
 study: $(VENV)/.installed
 	$(BIN)/python tools/study.py --results results/study
 

@@ -74,8 +74,11 @@ def run_one(out: Path, encoder: str, mode: str, seed: int, args: argparse.Namesp
 
 def summary(results: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """Mean ± std per encoder, mode and kind of token, and the leaks with their paired intervals."""
+
     def accuracies(encoder: str, mode: str, kind: str) -> dict[int, float]:
-        return {r["seed"]: r["scores"][kind]["accuracy"] for r in results if (r["encoder"], r["mode"]) == (encoder, mode)}
+        return {
+            r["seed"]: r["scores"][kind]["accuracy"] for r in results if (r["encoder"], r["mode"]) == (encoder, mode)
+        }
 
     rows = []
     for mode in modes:
@@ -83,7 +86,9 @@ def summary(results: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
             row: dict[str, Any] = {"encoder": encoder, "mode": mode}
             for kind in [*KINDS, "all"]:
                 row[kind] = summarise(list(accuracies(encoder, mode, kind).values())).as_dict()
-            majority = {r["seed"]: r["scores"]["majority"] for r in results if (r["encoder"], r["mode"]) == (encoder, mode)}
+            majority = {
+                r["seed"]: r["scores"]["majority"] for r in results if (r["encoder"], r["mode"]) == (encoder, mode)
+            }
             row["majority"] = summarise(list(majority.values())).as_dict()
             rows.append(row)
     leaks = {f"{encoder} - vit, {mode}": paired(accuracies(encoder, mode, "masked"),

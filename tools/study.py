@@ -189,8 +189,12 @@ def render(study: dict[str, Any], command: str) -> str:
     lines += [
         f"Test set: read {audit['reads']} times by {audit['evaluations']} final evaluations, "
         + (f"with problems: {'; '.join(audit['problems'])}." if audit["problems"] else "all after the last choice.")
-        + (f" Arms added to the study later (their learning rates chosen on validation after the other arms' test "
-           f"reads): {', '.join(ARMS[a] for a in audit['arms_added_later'])}." if audit.get("arms_added_later") else ""),
+        + (
+            f" Arms added to the study later (their learning rates chosen on validation after the other arms' test "
+            f"reads): {', '.join(ARMS[a] for a in audit['arms_added_later'])}."
+            if audit.get("arms_added_later")
+            else ""
+        ),
         f"Wall time: {wall['elapsed'] / 60:.0f} min over {wall['attempts']} invocation(s) "
         f"(run time by kind: {', '.join(f'{k} {v / 60:.0f} min' for k, v in wall['jobs_by_kind'].items())}).",
     ]

@@ -121,7 +121,11 @@ class Settings:
         return max(d for d in range(1, min(common, 100) + 1) if common % d == 0)
 
     def arms(self, budget: int) -> list[str]:
-        return [arm for arm in ARMS if arm in self.selected_arms and (arm != "supervised" or budget in self.splits.supervised)]
+        return [
+            arm
+            for arm in ARMS
+            if arm in self.selected_arms and (arm != "supervised" or budget in self.splits.supervised)
+        ]
 
     def lrs(self, arm: str) -> tuple[float, ...]:
         return self.scratch_lrs if arm in FROM_SCRATCH else self.finetune_lrs
@@ -235,7 +239,9 @@ class Plan:
             for seed in s.seeds:
                 overrides = ("--data.train", s.splits.pool, *self._seeded(seed, s.pretrain_steps))
                 frozen = (s.splits.labels[s.budgets[0]], s.splits.val)
-                jobs.append(Job(hybrid_pretrain_name(seed), "fit", s.configs["hybrid_pretrain"], overrides, frozen=frozen))
+                jobs.append(
+                    Job(hybrid_pretrain_name(seed), "fit", s.configs["hybrid_pretrain"], overrides, frozen=frozen)
+                )
         for budget, shards in sorted(s.splits.supervised.items() if "supervised" in s.selected_arms else []):
             for seed in s.seeds:
                 overrides = ("--data.train", shards, *self._seeded(seed, s.pretrain_steps))
@@ -588,7 +594,9 @@ def audit_test_reads(
         counts[read["job"]] = counts.get(read["job"], 0) + 1
     problems = [f"{name} read the test set but is no final evaluation" for name in counts if name not in allowed]
     for read in reads:
-        then = [choice["time"] for key, choice in choices.items() if joined.get(key.split("/", 1)[1], 0.0) <= read["time"]]
+        then = [
+            choice["time"] for key, choice in choices.items() if joined.get(key.split("/", 1)[1], 0.0) <= read["time"]
+        ]
         if read["time"] < max(then, default=0.0):
             problems.append(f"{read['job']} read the test set before the last choice")
     problems += [f"{name} never read the test set" for name in sorted(allowed - set(counts))]
