@@ -63,7 +63,7 @@ def filters_figure(components: Tensor, explained: Tensor, *, title: str = "") ->
     axes.imshow(mosaic(tiles, columns, fill=1.0).numpy(), interpolation="nearest")
     axes.set_axis_off()
     axes.set_title(
-        f"{title}{': ' if title else ''}top {len(tiles)} principal components of the patch-embedding filters\n"
+        f"{title}{': ' if title else ''}top {len(tiles)} principal components of the filters on the pixels\n"
         f"({100 * float(explained.sum()):.1f}% of their variance)",
         fontsize=9,
     )
