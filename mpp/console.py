@@ -93,11 +93,11 @@ def introduction() -> str:
     folder = configs_folder()
     if folder is not None:
         lines.append("shipped configs (a trainer preset first, then a run config; later files win):")
-        width = {
-            path: int(m.group(1)) if (m := re.search(r"^dim: *(\d+)", path.read_text(), re.M)) else 0
-            for path in folder.glob("model/*.yaml")
-        }
-        presets = sorted(width, key=lambda path: width[path])  # small to large
+        from mpp.config import read_config
+
+        sizes_of = {path: read_config(path) for path in folder.glob("model/*.yaml")}  # a hybrid's: its ViT's and a stem
+        # Small to large; a hybrid after its ViT.
+        presets = sorted(sizes_of, key=lambda path: (sizes_of[path].get("dim", 0), "stem" in sizes_of[path], path.name))
         for path in sorted(set(folder.glob("*/*.yaml")) - set(presets)):
             first = (path.read_text().splitlines() or [""])[0].lstrip("# ").strip()
             about = re.split(r" \(|: |\. |; ", first, maxsplit=1)[0].rstrip(".")

@@ -163,8 +163,12 @@ def test_mpp_introduces_itself(capfd, monkeypatch):
     assert "masked patch prediction for Vision Transformers" in text
     assert "Lightning Trainer command line tool" not in text
     for config in sorted((ROOT / "configs").glob("*/*.yaml")):
-        shown = "configs/model/vit_{demo,ti,s,b,l,h}.yaml" if config.parent.name == "model" else f"configs/{config.parent.name}/{config.name}"
-        assert shown in text
+        if config.parent.name != "model":
+            assert f"configs/{config.parent.name}/{config.name}" in text
+    # The size presets in one line, small to large, each hybrid after its ViT.
+    assert "configs/model/vit_{demo,demo_hybrid,ti,s,b,b_r50,l,h}.yaml" in text
+    assert sorted((ROOT / "configs/model").glob("*.yaml")) == sorted(
+        ROOT / "configs/model" / f"vit_{size}.yaml" for size in ["demo", "demo_hybrid", "ti", "s", "b", "b_r50", "l", "h"])
     for command in ("mpp fit --config configs/pretrain/demo.yaml", "mpp fit --config configs/finetune/demo.yaml",
                     "python tools/compare.py --out runs/demo", "--model.help"):
         assert command in text
