@@ -508,7 +508,8 @@ def _worker_threads(threads: int) -> None:
 
 @dataclass
 class Progress:
-    """What one invocation of the study ran: its start, end and the jobs it finished."""
+    """What one invocation of the study ran: its start, its last record (its end once it ends) and the jobs it
+    finished."""
 
     start: float = field(default_factory=time.time)
     end: float | None = None
@@ -537,6 +538,12 @@ def run_study(settings: Settings, out: Path, *, jobs: int, say: Any = print) -> 
     progress = Progress()
     attempts_path = out / "attempts.json"
     attempts = json.loads(attempts_path.read_text()) if attempts_path.exists() else []
+
+    def note_progress() -> None:  # after every job too, so that a killed invocation still counts
+        progress.end = time.time()
+        attempts_path.write_text(json.dumps([*attempts, asdict(progress)], indent=1))
+
+    note_progress()
     threads = max(1, (os.cpu_count() or 1) // jobs)
     running: dict[str, Future[dict[str, Any]]] = {}
     failures: list[str] = []
@@ -564,10 +571,9 @@ def run_study(settings: Settings, out: Path, *, jobs: int, say: Any = print) -> 
                     failures.append(f"{name}: {error} (log: {run_folder(out, name) / 'log.txt'})")
                     continue
                 progress.finished.append(name)
+                note_progress()
                 say(f"study: done {name} ({results[name]['wall_seconds']:.0f} s)")
-    progress.end = time.time()
-    attempts.append(asdict(progress))
-    attempts_path.write_text(json.dumps(attempts, indent=1))
+    note_progress()
     if failures:
         raise RuntimeError("study runs failed:\n" + "\n".join(failures))
     return results
