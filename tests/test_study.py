@@ -27,6 +27,8 @@ from mpp.eval.study import (
     metric_curve,
     note_arms,
     outline,
+    read_results,
+    reuse_runs,
 )
 
 
@@ -173,6 +175,50 @@ def test_arms_added_to_a_study_are_chosen_after_its_first_test_reads_and_audited
     assert audit_test_reads(plan, choices, early, joined)["problems"] == [f"{new[0]['job']} read the test set before the last choice"]
 
 
+def finished_study(folder: Path, s: Settings, names: list[str]) -> None:
+    """A study folder with `names` finished: each with a result, a checkpoint and its final run's test."""
+    folder.mkdir(parents=True)
+    (folder / "settings.json").write_text(json.dumps(s.as_dict()))
+    for name in names:
+        run = folder / "runs" / name
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "last.ckpt").write_bytes(name.encode())
+        (run / "result.json").write_text(json.dumps({"name": name, "kind": "fit", "val_accuracy": 0.5, "wall_seconds": 9}))
+        (run / "test").mkdir()
+        (run / "test" / "result.json").write_text(json.dumps({"name": name + "/test", "kind": "test", "wall_seconds": 1}))
+
+
+def test_a_study_brings_over_only_the_finished_runs_it_would_run_exactly_as_they_ran(tmp_path: Path) -> None:
+    source, out = tmp_path / "study", tmp_path / "longer"
+    base = settings(selected_arms=("scratch", "mpp"), ablation=())
+    assert Settings.from_dict(json.loads(json.dumps(base.as_dict()))) == base
+    old = dict(json.loads(json.dumps(base.as_dict())))
+    old.pop("selected_arms")
+    assert Settings.from_dict(old).selected_arms == FIRST_ARMS  # saved before settings named their arms
+    finished_study(source, base, [job.name for job in Plan(base).fits()])
+    # Longer pretraining: the from-scratch runs are the same jobs; the pretraining, and every fine-tuning
+    # that starts from it, is not.
+    longer = settings(selected_arms=("scratch", "mpp"), ablation=(), pretrain_steps=1200)
+    (out / "runs" / "b100/scratch/lr0.001/seed0").mkdir(parents=True)  # an unfinished run of its own
+    brought = reuse_runs(longer, out, source, "runs/study")
+    assert sorted(brought) == sorted(job.name for job in Plan(base).fits() if "/scratch/" in job.name)
+    run = out / "runs" / "b100/scratch/lr0.001/seed0"
+    assert (run / "checkpoints" / "last.ckpt").samefile(source / "runs" / "b100/scratch/lr0.001/seed0/checkpoints/last.ckpt")
+    assert not (run / "test").exists()  # the test set is read by this study's own evaluations only
+    assert json.loads((run / "result.json").read_text())["reused_from"] == "runs/study"
+    assert "reused_from" not in json.loads((source / "runs" / "b100/scratch/lr0.001/seed0/result.json").read_text())
+    assert set(read_results(out)) == set(brought) and not (out / "reusing").exists()
+    assert reuse_runs(longer, out, source) == []  # nothing twice
+    # A wider fine-tuning grid keeps the pretraining and the grid values the study had.
+    wider = settings(selected_arms=("scratch", "mpp"), ablation=(), finetune_lrs=(0.03, 0.1))
+    brought = reuse_runs(wider, tmp_path / "wider", source)
+    assert {n for n in brought if n.startswith(("pretrain/", "b100/mpp/"))} == {
+        *(f"pretrain/colour3/seed{seed}" for seed in (0, 1, 2)), *(f"b100/mpp/lr0.03/seed{seed}" for seed in (0, 1, 2))}
+    # Another model shares nothing.
+    patch = settings(selected_arms=("scratch", "mpp"), ablation=(), overrides=("--model.init_args.encoder.patch_size", "7"))
+    assert reuse_runs(patch, tmp_path / "patch", source) == []
+
+
 def test_metric_curves_count_steps_from_one_and_keep_the_last_of_a_repeated_step(tmp_path: Path) -> None:
     path = tmp_path / "metrics.csv"
     path.write_text("epoch,step,train/loss,val/accuracy\n0,9,1.0,\n0,99,,0.5\n0,199,,0.6\n0,99,,0.55\n0,199,,0.65\n")
@@ -193,6 +239,7 @@ def test_the_outline_counts_every_run() -> None:
     assert "pretrain: 5 runs, 3,000 steps" in outline(settings(selected_arms=FIRST_ARMS))
 
 
+@pytest.mark.slow  # three invocations, minutes on two cores; the README's quick study runs by default
 def test_quick_study_end_to_end(tmp_path: Path) -> None:
     """--quick without the hybrid arms, then with them added to the same study, then again: nothing left."""
     out = tmp_path / "study"

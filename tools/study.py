@@ -18,6 +18,10 @@ ablation and hybrid arms are off unless --ablation and --hybrid (the default stu
 
 Runs resume: the same command again skips finished runs and resumes the others from their last
 checkpoint. Every run folder (under --out/runs) has its log, config, metrics.csv and checkpoints.
+
+The levers (tools/levers.py runs them): --pretrain-steps, wider --finetune-lrs / --scratch-lrs, and
+--set for every run's config (e.g. --set model.init_args.encoder.patch_size=7), each study in its own
+--out; --reuse runs/study brings over the finished runs it shares with that study instead of rerunning them.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ from mpp.eval.study import (  # noqa: E402
     extends,
     note_arms,
     outline,
+    reuse_runs,
     run_study,
+    shared_runs,
     summarise_study,
 )
 from mpp.shards.sources import FASHION_MNIST_DIR  # noqa: E402
@@ -115,20 +121,29 @@ def settings_from(args: argparse.Namespace) -> Settings:
     default_pretrain = 6 if quick else (2000 if args.full else 600)
     ablation = not args.full if args.ablation is None else args.ablation
     hybrid = not args.full if args.hybrid is None else args.hybrid
+    arms = tuple(a for a in ARMS if a in args.arms) if args.arms else (tuple(ARMS) if hybrid else FIRST_ARMS)
+    overrides = [*QUICK] if quick else []
+    for setting in args.set or []:
+        key, equals, value = setting.partition("=")
+        if not equals or not key:
+            raise SystemExit(
+                f"study: --set takes KEY=VALUE, e.g. model.init_args.encoder.patch_size=7, not {setting!r}"
+            )
+        overrides += ["--" + key.removeprefix("--"), value]
     return Settings(
         splits=splits,
         configs=CONFIGS,
         seeds=tuple(range(args.seeds or (2 if quick else 3))),
         pretrain_steps=args.pretrain_steps or default_pretrain,
         finetune_steps=args.finetune_steps or (4 if quick else 500),
-        finetune_lrs=(0.01, 0.03) if quick else FINETUNE_LRS,
-        scratch_lrs=(1e-3, 3e-3) if quick else SCRATCH_LRS,
+        finetune_lrs=tuple(args.finetune_lrs or ((0.01, 0.03) if quick else FINETUNE_LRS)),
+        scratch_lrs=tuple(args.scratch_lrs or ((1e-3, 3e-3) if quick else SCRATCH_LRS)),
         ablation=tuple(v.name for v in VARIANTS[1:]) if ablation else (),
         ablation_seeds=2,
-        overrides=QUICK if quick else (),
+        overrides=tuple(overrides),
         checkpoint_every=2 if quick else 100,
         frozen_max_train=1000 if quick else 10000,
-        selected_arms=tuple(ARMS) if hybrid else FIRST_ARMS,
+        selected_arms=arms,
     )
 
 
@@ -196,7 +211,12 @@ def render(study: dict[str, Any], command: str) -> str:
             else ""
         ),
         f"Wall time: {wall['elapsed'] / 60:.0f} min over {wall['attempts']} invocation(s) "
-        f"(run time by kind: {', '.join(f'{k} {v / 60:.0f} min' for k, v in wall['jobs_by_kind'].items())}).",
+        f"(run time by kind: {', '.join(f'{k} {v / 60:.0f} min' for k, v in wall['jobs_by_kind'].items())})"
+        + (
+            f"; {study['reused']['runs']} finished runs brought from {', '.join(study['reused']['from'])}, not counted."
+            if study.get("reused", {}).get("runs")
+            else "."
+        ),
     ]
     return "\n".join(lines)
 
@@ -280,18 +300,50 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         help="the hybrid arms, the demo ViT on a ResNet stem (default: on, but off with --full)",
     )
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="the arms to run (default: all, see --hybrid)")
+    parser.add_argument(
+        "--finetune-lrs",
+        type=float,
+        nargs="+",
+        help=f"the fine-tuning lr grid (default {' '.join(map(str, FINETUNE_LRS))})",
+    )
+    parser.add_argument(
+        "--scratch-lrs",
+        type=float,
+        nargs="+",
+        help=f"the from-scratch lr grid (default {' '.join(map(str, SCRATCH_LRS))})",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a config value for every run, e.g. --set model.init_args.encoder.patch_size=7 (repeatable)",
+    )
+    parser.add_argument(
+        "--reuse",
+        metavar="FOLDER",
+        help="another study's folder: its finished runs that this study would run exactly as they ran are brought"
+        " over instead of run again",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cores/jobs threads")
     parser.add_argument("--out", help="folder of the runs and results (default runs/study, runs/study-full)")
     parser.add_argument("--plan", action="store_true", help="say what the study would run, and stop")
     parser.add_argument("--results", help="also copy the table, JSON and plots to this folder (e.g. results/study)")
     args = parser.parse_args(argv)
     out = Path(args.out or ("runs/study-full" if args.full else "runs/study")).absolute()
+    reuse = Path(args.reuse).absolute() if args.reuse else None
     results = Path(args.results).absolute() if args.results else None
     os.chdir(ROOT)  # the embedded shards and the configs are named relative to the project
     command = "python tools/study.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     settings = settings_from(args)
+    if reuse is not None and not (reuse / "settings.json").is_file():
+        raise SystemExit(f"study: --reuse {args.reuse} holds no study (no settings.json)")
     if args.plan:
         print("\n".join(outline(settings)))
+        if reuse is not None:
+            shared = shared_runs(settings, reuse)
+            steps = sum(int(job.overrides[job.overrides.index("--trainer.max_steps") + 1]) for job in shared)
+            print(f"brought from {args.reuse} instead: {len(shared)} finished runs, {steps:,} steps")
         return 0
     if args.full:
         make_full_shards()
@@ -302,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     note_arms(out, saved, settings)
     path.write_text(json.dumps(settings.as_dict(), indent=1))
+    if reuse is not None:
+        brought = reuse_runs(settings, out, reuse, args.reuse)
+        print(f"study: {len(brought)} finished runs brought from {args.reuse}")
     start = time.time()
     run_study(settings, out, jobs=args.jobs)
     study = summarise_study(settings, out)

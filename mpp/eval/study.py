@@ -23,6 +23,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -132,6 +133,22 @@ class Settings:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Settings:
+        """The settings a study saved (settings.json), as they were: a study saved before settings named
+        their arms has FIRST_ARMS."""
+        splits = values["splits"]
+        by_budget = {key: {int(b): shards for b, shards in splits[key].items()} for key in ("labels", "supervised")}
+        tuples = ("seeds", "finetune_lrs", "scratch_lrs", "ablation", "shots", "overrides")
+        return cls(
+            **{
+                **values,
+                **{key: tuple(values[key]) for key in tuples if key in values},
+                "splits": Splits(splits["pool"], splits["val"], splits["test"], **by_budget),
+                "selected_arms": tuple(values.get("selected_arms", FIRST_ARMS)),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -271,6 +288,17 @@ class Plan:
         """{pretrained arm: its pretraining runs, one per seed} for the arms of a budget."""
         return {arm: [self.source(budget, arm, seed) for seed in self.s.seeds]
                 for arm in self.s.arms(budget) if arm in PRETRAINED}  # fmt: skip
+
+    def fits(self) -> list[Job]:
+        """Every fit the study may run, whichever learning rates are chosen."""
+        s = self.s
+        return self.pretraining() + [
+            self.fit(budget, arm, lr, seed)
+            for budget in s.budgets
+            for arm in s.arms(budget)
+            for lr in s.lrs(arm)
+            for seed in s.seeds
+        ]
 
     @staticmethod
     def needs(job: Job) -> list[str]:
@@ -490,6 +518,63 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     return result
 
 
+def shared_runs(settings: Settings, source: Path) -> list[Job]:
+    """The finished fits of the study in `source` that a study with `settings` would run exactly as they
+    ran there: the same job (config and overrides, seed and steps among them), whose inputs are shared too."""
+    saved = Settings.from_dict(json.loads((source / "settings.json").read_text()))
+    theirs = {job.name: job for job in Plan(saved).fits()}
+    mine = {job.name: job for job in Plan(settings).fits()}
+    finished = read_results(source)
+    same: dict[str, bool] = {}
+
+    def identical(name: str) -> bool:
+        if name not in same:
+            job = mine[name]
+            same[name] = (
+                theirs.get(name) == job and name in finished and all(identical(need) for need in Plan.needs(job))
+            )
+        return same[name]
+
+    return [job for name, job in mine.items() if identical(name)]
+
+
+def reuse_runs(settings: Settings, out: Path, source: Path, label: str | None = None) -> list[str]:
+    """Bring into the study `out` the runs it shares with the study in `source` (`shared_runs`) and has
+    not finished itself. The files are hard links where the file system allows (a finished run is never
+    written again), and result.json says where the run came from. No test or frozen evaluation is
+    brought: the study reads the test set itself, after its own choices. `label`: the source as the
+    study's record names it (default: its path). Returns the names brought."""
+    finished, present = read_results(source), read_results(out)
+    brought = []
+    for name in (job.name for job in shared_runs(settings, source)):
+        if name in present:
+            continue
+        folder, staging = run_folder(out, name), out / "reusing" / name
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(run_folder(source, name), staging, ignore=_other_runs, copy_function=_link_or_copy)
+        result = {**finished[name], "reused_from": label or str(source)}
+        (staging / "result.json").unlink()
+        (staging / "result.json").write_text(json.dumps(result, indent=1))
+        shutil.rmtree(folder, ignore_errors=True)  # an unfinished run of its own
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(folder)
+        brought.append(name)
+    shutil.rmtree(out / "reusing", ignore_errors=True)
+    return brought
+
+
+def _other_runs(folder: str, names: list[str]) -> list[str]:
+    """What a run's folder holds besides the run: the folders of other runs (a final run's test)."""
+    return [name for name in names if (Path(folder) / name).is_dir() and name != "checkpoints"]
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def note_test_read(out: Path, name: str) -> None:
     """Append a read of the test set to the study's record (one line, appended atomically)."""
     line = json.dumps({"job": name, "time": time.time()}) + "\n"
@@ -672,7 +757,10 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
             ablation[variant.name]["validation"] = _scores(results, names, settings.shots)
     attempts = json.loads((out / "attempts.json").read_text()) if (out / "attempts.json").exists() else []
     wall_by_kind: dict[str, float] = {}
+    reused = [result for result in results.values() if "reused_from" in result]
     for result in results.values():
+        if "reused_from" in result:  # their time was spent, and counted, by the study they came from
+            continue
         kind = kind_of(Job(result["name"], result["kind"]))
         wall_by_kind[kind] = wall_by_kind.get(kind, 0.0) + result["wall_seconds"]
     return {
@@ -685,6 +773,7 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
             "attempts": len(attempts),
             "jobs_by_kind": wall_by_kind,
         },
+        "reused": {"runs": len(reused), "from": sorted({result["reused_from"] for result in reused})},
     }
 
 
