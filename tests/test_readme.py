@@ -193,6 +193,8 @@ def tool_arguments(argv: list[str]) -> list[str]:
         return ["--quick", "--budgets", "1000", "--no-ablation", "--no-hybrid", "--seeds", "2", "--out", "runs/study-readme"]
     if argv[1].endswith("leakage.py"):
         return ["--quick", "--out", "runs/leakage-readme"]
+    if argv[1].endswith("levers.py"):  # hours of runs: what each lever's study would run (run quick: test_levers)
+        return ["--plan"]
     return []
 
 
@@ -218,6 +220,8 @@ def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> 
     if argv[1].endswith("leakage.py"):
         assert "| hybrid, mask_pixels | frozen |" in result.stdout and "hybrid - vit, frozen: " in result.stdout
         assert (user / argv[argv.index("--results") + 1] / "leakage.json").is_file()
+    if argv[1].endswith("levers.py"):
+        assert "levers: wide: a wider encoder" in result.stdout and "in all: 23 runs, 12,700 optimiser steps" in result.stdout
     if argv[1].endswith("fewshot.py"):
         assert "(500 train / 200 test images" in result.stdout and re.search(r"^\| 25 \| \d+\.\d%", result.stdout, re.M)
 
