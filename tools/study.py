@@ -53,6 +53,7 @@ from mpp.eval.study import (  # noqa: E402
     reuse_runs,
     run_study,
     shared_runs,
+    steps_of,
     summarise_study,
 )
 from mpp.shards.sources import FASHION_MNIST_DIR  # noqa: E402
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(outline(settings)))
         if reuse is not None:
             shared = shared_runs(settings, reuse)
-            steps = sum(int(job.overrides[job.overrides.index("--trainer.max_steps") + 1]) for job in shared)
+            steps = sum(steps_of(job) for job in shared)
             print(f"brought from {args.reuse} instead: {len(shared)} finished runs, {steps:,} steps")
         return 0
     if args.full:

@@ -166,6 +166,11 @@ class Job:
     reads_test: bool = False
 
 
+def steps_of(job: Job) -> int:
+    """The optimiser steps a job takes: a fit's max_steps, 0 for an evaluation."""
+    return int(job.overrides[job.overrides.index("--trainer.max_steps") + 1]) if job.kind == "fit" else 0
+
+
 def kind_of(job: Job) -> str:
     """What a job counts as in wall times and outlines: pretrain, supervised, fine-tuning, test or frozen."""
     if job.kind != "fit":
@@ -553,7 +558,7 @@ def reuse_runs(settings: Settings, out: Path, source: Path, label: str | None = 
         shutil.rmtree(staging, ignore_errors=True)
         shutil.copytree(run_folder(source, name), staging, ignore=_other_runs, copy_function=_link_or_copy)
         result = {**finished[name], "reused_from": label or str(source)}
-        (staging / "result.json").unlink()
+        (staging / "result.json").unlink()  # a link to the source's: a new file, not written through it
         (staging / "result.json").write_text(json.dumps(result, indent=1))
         shutil.rmtree(folder, ignore_errors=True)  # an unfinished run of its own
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -789,8 +794,7 @@ def outline(settings: Settings) -> list[str]:
     counts: dict[str, list[int]] = {}
     for job in jobs:
         kind = kind_of(job)
-        steps = int(job.overrides[job.overrides.index("--trainer.max_steps") + 1]) if job.kind == "fit" else 0
-        counts.setdefault(kind, []).append(steps)
+        counts.setdefault(kind, []).append(steps_of(job))
     splits = s.splits
     lines = [
         f"splits: pool {splits.pool}; validation {splits.val}; test {splits.test}",
