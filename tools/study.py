@@ -13,7 +13,7 @@ train-000000..8; fine-tuning labels train-000000 (1,000) or train-000000..8 (9,0
 pretraining on train-000001..8 (labels the 1,000 do not hold; the 9,000 budget has no such images,
 so no supervised arm); test: the 1,000 embedded test images. --full makes shards of the Debian package
 dataset-fashion-mnist (`apt-get install dataset-fashion-mnist`) first, holds out train-000055..59
-(5,000), pretrains 2,000 steps on the other 55,000 and fine-tunes on train-000000 (1,000 labels); its
+(5,000), pretrains 1,000 steps on the other 55,000 and fine-tunes on train-000000 (1,000 labels); its
 ablation and hybrid arms are off unless --ablation and --hybrid (the default study measures them).
 
 Runs resume: the same command again skips finished runs and resumes the others from their last
@@ -119,7 +119,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
             {b: s for b, s in splits.labels.items() if b in args.budgets},
             {b: s for b, s in splits.supervised.items() if b in args.budgets},
         )
-    default_pretrain = 6 if quick else (2000 if args.full else 600)
+    default_pretrain = 6 if quick else (1000 if args.full else 600)
     ablation = not args.full if args.ablation is None else args.ablation
     hybrid = not args.full if args.hybrid is None else args.hybrid
     arms = tuple(a for a in ARMS if a in args.arms) if args.arms else (tuple(ARMS) if hybrid else FIRST_ARMS)
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few steps and 2 seeds: checks the plumbing")
     parser.add_argument("--seeds", type=int, help="seeds per arm (default 3; --quick 2)")
     parser.add_argument("--budgets", type=int, nargs="+", help="label budgets to run (default: all the data has)")
-    parser.add_argument("--pretrain-steps", type=int, help="pretraining steps (default 600; --full 2000)")
+    parser.add_argument("--pretrain-steps", type=int, help="pretraining steps (default 600; --full 1000)")
     parser.add_argument("--finetune-steps", type=int, help="fine-tuning steps (default 500)")
     parser.add_argument(
         "--ablation",
