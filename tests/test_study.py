@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from mpp.eval.study import (
     Settings,
     Splits,
     audit_test_reads,
+    covers,
     extends,
     metric_curve,
     note_arms,
@@ -217,6 +219,27 @@ def test_a_study_brings_over_only_the_finished_runs_it_would_run_exactly_as_they
     # Another model shares nothing.
     patch = settings(selected_arms=("scratch", "mpp"), ablation=(), overrides=("--model.init_args.encoder.patch_size", "7"))
     assert reuse_runs(patch, tmp_path / "patch", source) == []
+
+
+def test_a_finished_study_covers_a_smaller_study_only_where_it_ran_chose_and_scored_alike() -> None:
+    """The levers take the numbers of a finished study that ran every run of theirs alike (the default
+    study's from-scratch and MPP arms at 1,000 labels) instead of running them again."""
+    whole = settings()
+    study = {"settings": json.loads(json.dumps(whole.as_dict())),
+             "budgets": {str(b): {"arms": dict.fromkeys(whole.arms(b), {})} for b in whole.budgets}}  # fmt: skip
+    one_budget = replace(whole.splits, labels={100: "l100.tar"})
+    lever = settings(splits=one_budget, selected_arms=("scratch", "mpp"), ablation=())
+    assert covers(study, lever)
+    assert not covers(study, replace(lever, pretrain_steps=1200))  # other runs
+    assert not covers(study, replace(lever, overrides=("--model.init_args.encoder.patch_size", "7")))
+    assert not covers(study, replace(lever, finetune_lrs=(0.01,)))  # its runs, but another choice
+    assert not covers(study, replace(lever, seeds=(0, 1)))  # its runs, but other seeds' numbers
+    assert not covers(study, replace(lever, splits=replace(one_budget, test="other.tar")))
+    assert not covers(study, replace(lever, shots=(5,)))
+    # The 900-label budget's pretraining evaluates on the first budget's labels: other runs.
+    assert not covers(study, replace(lever, splits=replace(whole.splits, labels={900: "l900.tar"})))
+    del study["budgets"]["100"]["arms"]["mpp"]  # a study that did not measure the arm
+    assert not covers(study, lever)
 
 
 def test_metric_curves_count_steps_from_one_and_keep_the_last_of_a_repeated_step(tmp_path: Path) -> None:

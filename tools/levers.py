@@ -12,7 +12,10 @@ picks. The `default` lever is the default study's settings: with --reuse (defaul
 holds a study) it brings that study's finished runs over instead of running them again, and every other
 lever brings the runs it shares with `default` (e.g. the from-scratch runs of longer pretraining).
 The default lever always runs: the others are measured beside it. Runs resume: the same command
-again goes on where it stopped.
+again goes on where it stopped. A lever whose every run a finished study already ran alike, and
+chose and scored alike, takes that study's numbers instead of running (covers in mpp.eval.study):
+its own earlier results (--results/<lever>/study.json, e.g. when its runs folder is gone) or a study
+named by --taken-from (default results/study, whose from-scratch and MPP arms are the default lever).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import study as study_tool
 
 from mpp.eval.stats import summarise
+from mpp.eval.study import covers
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("scratch", "mpp")
@@ -64,6 +68,18 @@ def study_arguments(name: str, args: argparse.Namespace, out: Path) -> list[str]
     if args.results:
         arguments += ["--results", str(Path(args.results) / name)]
     return arguments
+
+
+def taken(name: str, arguments: list[str], args: argparse.Namespace) -> tuple[Path, dict[str, Any]] | None:
+    """(where, the study) of a finished study that ran every run of the lever's study alike: the lever's
+    own earlier results (--results/<lever>) or one of --taken-from; None if none did."""
+    settings = study_tool.settings_from(study_tool.arguments().parse_args(arguments))
+    folders = ([Path(args.results) / name] if args.results else []) + [Path(f) for f in args.taken_from]
+    for folder in folders:
+        path = folder / "study.json"
+        if path.is_file() and covers(found := json.loads(path.read_text()), settings):
+            return folder, found
+    return None
 
 
 def project_path(path: str) -> str:
@@ -137,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reuse", default="runs/study", help="a study whose finished runs the default lever brings over (runs/study)"
     )
+    parser.add_argument(
+        "--taken-from",
+        nargs="*",
+        default=["results/study"],
+        help="finished studies (folders with a study.json) whose numbers a lever takes instead of running its"
+        " study, where they ran every run of it alike (default results/study); --results/<lever> too",
+    )
     parser.add_argument("--plan", action="store_true", help="say what each lever's study would run, and stop")
     parser.add_argument("--results", help="also write the table, the JSON and each lever's study to this folder")
     args = parser.parse_args(argv)
@@ -145,14 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     args.out, args.reuse, args.results = (
         None if a is None else project_path(a) for a in (args.out, args.reuse, args.results)
     )
+    args.taken_from = [project_path(a) for a in args.taken_from]
     os.chdir(ROOT)
     out = Path(args.out)
     order = ["default", *(name for name in args.levers if name != "default")]  # the others reuse its runs
     studies = {}
     for name in order:
         print(f"levers: {name}: {levers(args.quick)[name][0]}", flush=True)
-        arguments = study_arguments(name, args, out) + (["--plan"] if args.plan else [])
-        if study_tool.main(arguments) != 0:
+        arguments = study_arguments(name, args, out)
+        found = taken(name, arguments, args)
+        if found is not None:  # e.g. an earlier invocation whose runs are gone, or the default study
+            print(f"levers: {name}: taken from {found[0]}/study.json, which ran every run of its study alike")
+            studies[name] = found[1]
+            continue
+        if study_tool.main(arguments + (["--plan"] if args.plan else [])) != 0:
             return 1
         if not args.plan:
             studies[name] = json.loads((out / name / "study.json").read_text())

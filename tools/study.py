@@ -283,7 +283,7 @@ def plot_curves(study: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="all of FashionMNIST (from dataset-fashion-mnist)")
     parser.add_argument("--quick", action="store_true", help="a few steps and 2 seeds: checks the plumbing")
@@ -330,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder of the runs and results (default runs/study, runs/study-full)")
     parser.add_argument("--plan", action="store_true", help="say what the study would run, and stop")
     parser.add_argument("--results", help="also copy the table, JSON and plots to this folder (e.g. results/study)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     out = Path(args.out or ("runs/study-full" if args.full else "runs/study")).absolute()
     reuse = Path(args.reuse).absolute() if args.reuse else None
     results = Path(args.results).absolute() if args.results else None

@@ -543,6 +543,23 @@ def shared_runs(settings: Settings, source: Path) -> list[Job]:
     return [job for name, job in mine.items() if identical(name)]
 
 
+def covers(study: dict[str, Any], settings: Settings) -> bool:
+    """Whether a finished study (its study.json) ran every fit a study with `settings` would run, exactly
+    alike (config and overrides, seeds and steps among them), chose among the same learning rates with the
+    same seeds, and scored them alike (test split, shots, frozen evaluations): then the numbers of that study are this one's, read for its budgets and arms."""
+    theirs = Settings.from_dict(study["settings"])
+    chosen_and_scored = ("seeds", "finetune_lrs", "scratch_lrs", "shots", "frozen_max_train")
+    alike = theirs.splits.test == settings.splits.test and all(
+        getattr(theirs, key) == getattr(settings, key) for key in chosen_and_scored
+    )
+    measured = all(
+        arm in study["budgets"].get(str(budget), {}).get("arms", {})
+        for budget in settings.budgets
+        for arm in settings.arms(budget)
+    )
+    return alike and measured and set(Plan(settings).fits()) <= set(Plan(theirs).fits())
+
+
 def reuse_runs(settings: Settings, out: Path, source: Path, label: str | None = None) -> list[str]:
     """Bring into the study `out` the runs it shares with the study in `source` (`shared_runs`) and has
     not finished itself. The files are hard links where the file system allows (a finished run is never
