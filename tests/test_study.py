@@ -262,6 +262,41 @@ def test_the_outline_counts_every_run() -> None:
     assert "pretrain: 5 runs, 3,000 steps" in outline(settings(selected_arms=FIRST_ARMS))
 
 
+STUDY_KILLED = """
+import os, sys, time
+from mpp.eval.study import worker_pool
+pool = worker_pool(1)
+print(pool.submit(os.getpid).result(), flush=True)
+pool.submit(time.sleep, 600)  # a run that would go on long after the study
+time.sleep(600)
+"""
+
+
+def gone(pid: int) -> bool:
+    """No such process, or one that has ended and waits to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_study_killed_outright_leaves_no_worker_running() -> None:
+    """SIGKILL gives the study no chance to stop its workers: each sees its parent gone and stops its run."""
+    study = subprocess.Popen([sys.executable, "-c", STUDY_KILLED], cwd=ROOT, env=environment(), text=True,
+                             stdout=subprocess.PIPE)
+    try:
+        worker = int(study.stdout.readline())
+        assert not gone(worker)
+    finally:
+        study.kill()
+        study.wait()
+    deadline = time.monotonic() + 30
+    while not gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert gone(worker), f"worker {worker} outlived its study"
+
+
 @pytest.mark.slow  # three invocations, minutes on two cores; the README's quick study runs by default
 def test_quick_study_end_to_end(tmp_path: Path) -> None:
     """--quick without the hybrid arms, then with them added to the same study, then again: nothing left."""

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -53,6 +54,8 @@ PAIRS = [("mpp", "scratch"), ("mpp", "matched"), ("supervised", "mpp"), ("hybrid
          ("hybrid_mpp", "mpp"), ("hybrid_scratch", "scratch")]  # fmt: skip
 # The arms of a study saved before settings named their arms.
 FIRST_ARMS = ("scratch", "matched", "mpp", "supervised")
+WATCH_SECONDS = 1.0  # how often a worker looks whether its study is still there
+STOP_GRACE_SECONDS = 30.0  # then a worker whose study is gone exits, stopped or not
 
 
 @dataclass(frozen=True)
@@ -607,10 +610,33 @@ def note_test_read(out: Path, name: str) -> None:
         os.close(fd)
 
 
-def _worker_threads(threads: int) -> None:
+def _start_worker(threads: int, parent: int) -> None:
+    """A worker's set-up: its share of the cores, and a watch on the study that started it. A study killed
+    without the chance to stop its workers (`kill`, SIGKILL, a session's end) leaves them to init: they
+    would go on training and writing into run folders that a new invocation is already using. A worker
+    whose parent has changed stops its run with SIGTERM, as a scheduler would; the run resumes later."""
+    import threading
+
     import torch
 
     torch.set_num_threads(threads)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_SECONDS)
+        os.kill(os.getpid(), signal.SIGTERM)  # a fit stops at its next step, anything else at once
+        time.sleep(STOP_GRACE_SECONDS)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="study-parent-watch", daemon=True).start()
+
+
+def worker_pool(jobs: int) -> ProcessPoolExecutor:
+    """`jobs` worker processes, each with its share of the cores, that stop when the study is gone."""
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    return ProcessPoolExecutor(
+        jobs, mp_context=get_context("spawn"), initializer=_start_worker, initargs=(threads, os.getpid())
+    )
 
 
 @dataclass
@@ -651,11 +677,9 @@ def run_study(settings: Settings, out: Path, *, jobs: int, say: Any = print) -> 
         attempts_path.write_text(json.dumps([*attempts, asdict(progress)], indent=1))
 
     note_progress()
-    threads = max(1, (os.cpu_count() or 1) // jobs)
     running: dict[str, Future[dict[str, Any]]] = {}
     failures: list[str] = []
-    context = get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_threads, initargs=(threads,)) as pool:
+    with worker_pool(jobs) as pool:
         while True:
             record_choices(out, plan.all_choices(results))
             ready, finished = plan.ready(results)
