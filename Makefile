@@ -34,15 +34,18 @@ demo: $(VENV)/.installed
 study: $(VENV)/.installed
 	$(BIN)/python tools/study.py --results results/study
 
-# Lint, format and types first (seconds), then the tests.
+# Lint, format and types first (seconds), then the tests on two workers, a file to a worker, in the
+# order tests/conftest.py sets (--no-loadscope-reorder keeps it).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed
 	$(BIN)/ruff check mpp tools tests
 	$(BIN)/ruff format --check mpp tools
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
 
 test-slow: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow $(XDIST)
 
 $(BENCH_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(BENCH_VENV)
