@@ -213,7 +213,7 @@ def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> 
     if argv[1].endswith("inspect_shards.py"):
         assert "verified: 12 samples" in result.stdout
     if argv[1].endswith("study.py"):
-        shown = {"--full": "in all: 42 runs, 15,000 optimiser steps", "--plan": "in all: 125 runs, 46,200 optimiser steps"}
+        shown = {"--full": "in all: 40 runs, 14,000 optimiser steps", "--plan": "in all: 125 runs, 46,200 optimiser steps"}
         assert next((line for flag, line in shown.items() if flag in argv), "| MPP pretrained, fine-tuned − from scratch |") in result.stdout
     if argv[1].endswith("study.py") and "--results" in argv and "--full" not in argv:
         assert (user / argv[argv.index("--results") + 1] / "study.json").is_file()
