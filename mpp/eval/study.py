@@ -612,7 +612,7 @@ def note_test_read(out: Path, name: str) -> None:
 
 def _start_worker(threads: int, parent: int) -> None:
     """A worker's set-up: its share of the cores, and a watch on the study that started it. A study killed
-    without the chance to stop its workers (`kill`, SIGKILL, a session's end) leaves them to init: they
+    without the chance to stop its workers (`kill`, SIGKILL, a closed terminal) leaves them to init: they
     would go on training and writing into run folders that a new invocation is already using. A worker
     whose parent has changed stops its run with SIGTERM, as a scheduler would; the run resumes later."""
     import threading
