@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from pytorch_lightning.strategies import FSDPStrategy
 from pytorch_lightning.utilities.enums import GradClipAlgorithmType
@@ -31,6 +32,35 @@ def plain(value: Any, cls: type[Any]) -> dict[str, Any]:
     return asdict(as_config(value, cls))
 
 
+class EvaluationMeans:
+    """The sample-weighted mean of each metric over an evaluation, over every rank.
+
+    Not Lightning's `self.log(..., batch_size=, sync_dist=True)`: it reduces the summed batch sizes
+    as an integer mean over ranks, which rounds down (158 samples on 3 ranks count as 3 x 52 = 156).
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.sums: Tensor | None = None  # float64 (len(names) + 1,): each metric x samples, then the samples
+
+    def reset(self) -> None:
+        self.sums = None
+
+    def add(self, metrics: dict[str, Tensor], size: int) -> None:
+        """One batch's means over its `size` samples."""
+        values = torch.stack([metrics[name].detach().double() * size for name in self.names])
+        batch = torch.cat([values, values.new_tensor([size])])
+        self.sums = batch if self.sums is None else self.sums + batch
+
+    def means(self, strategy: Any, device: torch.device) -> dict[str, float]:
+        """{name: mean over every sample of every rank}; empty where no rank had a sample. All ranks call it."""
+        sums = self.sums if self.sums is not None else torch.zeros(len(self.names) + 1, dtype=torch.float64)
+        total = strategy.reduce(sums.to(device), reduce_op="sum")
+        if total[-1] == 0:
+            return {}
+        return {name: float(total[i] / total[-1]) for i, name in enumerate(self.names)}
+
+
 class EncoderModule(pl.LightningModule):
     """A ViT encoder's training plumbing; a subclass gives the `metrics` of a batch, `loss` among them."""
 
@@ -50,6 +80,7 @@ class EncoderModule(pl.LightningModule):
         self.normalise = Normalise(mean=mean, std=std)
         self.normalise.check_channels(self.encoder_config.channels)
         self.draws = StepDraws()
+        self.evaluation: EvaluationMeans | None = None  # made with the first evaluation, once metric_names is set
 
     def compile_if(self, compile: bool) -> None:
         """Compile `forward` with torch.compile if asked, once the subclass has built every layer."""
@@ -63,16 +94,28 @@ class EncoderModule(pl.LightningModule):
     def _step(self, batch: dict[str, Tensor] | Tensor, stage: str) -> Tensor | None:
         size = (batch["image"] if isinstance(batch, dict) else batch).shape[0]
         if size == 0:  # a rank in step with those still evaluating (mpp.data.loader)
-            optim.log_nothing(self, stage, self.metric_names)
             return None
         metrics = self.metrics(batch, stage)
+        if stage != "train":  # logged as the evaluation ends, over every rank (EvaluationMeans)
+            assert self.evaluation is not None
+            self.evaluation.add(metrics, size)
+            return metrics["loss"]
         # No prog_bar in training: Lightning reads progress-bar values on the host every step.
-        evaluating = stage != "train"
         for name, value in metrics.items():
-            self.log(f"{stage}/{name}", value, prog_bar=evaluating, batch_size=size, sync_dist=evaluating)
-        if stage == "train" and optim.logging_step(self.trainer):
+            self.log(f"{stage}/{name}", value, batch_size=size)
+        if optim.logging_step(self.trainer):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=size)
         return metrics["loss"]
+
+    def _start_evaluation(self) -> None:
+        self.evaluation = EvaluationMeans(self.metric_names)
+
+    def _log_evaluation(self, stage: str) -> None:
+        """`<stage>/<metric>`: each the mean over every sample the evaluation read, on every rank."""
+        assert self.evaluation is not None
+        for name, mean in self.evaluation.means(self.trainer.strategy, self.device).items():
+            # The same on every rank, reduced already: sync_dist only says so to Lightning.
+            self.log(f"{stage}/{name}", mean, prog_bar=True, sync_dist=True)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.draws.training_batch(self.trainer.global_step, self.global_rank)
@@ -82,6 +125,18 @@ class EncoderModule(pl.LightningModule):
 
     def on_test_start(self) -> None:
         self.draws.evaluation("test", self.trainer.global_step, self.global_rank)
+
+    def on_validation_epoch_start(self) -> None:
+        self._start_evaluation()
+
+    def on_test_epoch_start(self) -> None:
+        self._start_evaluation()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_evaluation("test")
 
     def training_step(self, batch: dict[str, Tensor] | Tensor, batch_idx: int) -> Tensor | None:
         return self.loss_guard(self._step(batch, "train"), self.trainer)

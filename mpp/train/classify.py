@@ -110,11 +110,13 @@ class ImageClassifier(EncoderModule):
         return {"loss": F.cross_entropy(logits, labels), "accuracy": correct.float().mean()}
 
     def on_test_epoch_start(self) -> None:
+        super().on_test_epoch_start()
         self.class_correct.zero_()
         self.class_total.zero_()
 
     def on_test_epoch_end(self) -> None:
         """`test/accuracy/<class>` for every class the test set holds, over all ranks."""
+        super().on_test_epoch_end()
         correct = self.trainer.strategy.reduce(self.class_correct.float(), reduce_op="sum")
         total = self.trainer.strategy.reduce(self.class_total.float(), reduce_op="sum")
         for name, right, count in zip(self.class_names, correct.tolist(), total.tolist()):

@@ -137,14 +137,6 @@ def logging_step(trainer: pl.Trainer) -> bool:
     return (trainer.global_step + 1) % log_interval(trainer) == 0
 
 
-def log_nothing(module: pl.LightningModule, stage: str, names: list[str]) -> None:
-    """Log `<stage>/<name>` with weight 0 for a batch of no samples, so that every rank logs (and later
-    reduces) the same metrics while the metrics still count each real sample once."""
-    zero = torch.zeros((), device=module.device)
-    for name in names:
-        module.log(f"{stage}/{name}", zero, prog_bar=True, batch_size=0, sync_dist=True)
-
-
 def configure_optimizer(
     model: nn.Module, config: OptimizerConfig, total_steps: int, global_batch: int | None = None, *, fused: bool = True
 ) -> dict[str, Any]:

@@ -156,14 +156,19 @@ class MaskedPatchPretraining(EncoderModule):
         return {"loss": loss, "mpp_accuracy": prediction_accuracy(output.predictions, output.targets)}
 
     def on_validation_epoch_start(self) -> None:
+        super().on_validation_epoch_start()
         self.target_counts.zero_()
 
-    on_test_epoch_start = on_validation_epoch_start
+    def on_test_epoch_start(self) -> None:
+        super().on_test_epoch_start()
+        self.target_counts.zero_()
 
     def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
         self._log_majority_accuracy("val")
 
     def on_test_epoch_end(self) -> None:
+        super().on_test_epoch_end()
         self._log_majority_accuracy("test")
 
     def _log_majority_accuracy(self, stage: str) -> None:

@@ -1,9 +1,10 @@
-"""Two DDP ranks (gloo, CPU) through every stage of the shipped demo configs — fit with its
-validation, validate, test — on shard counts that do not divide evenly over the ranks.
+"""DDP ranks (gloo, CPU) through every stage of the shipped demo configs — fit with its
+validation, validate, test — on shard counts and sizes that 2, 3 and 4 ranks do not divide evenly.
 
 Every rank must run the same number of evaluation batches (or a collective waits forever),
-and the metrics must still count each sample once: the 2-rank test accuracy equals the
-1-rank one on the same checkpoint.
+and the metrics must still count each sample once: on the same checkpoint, 2, 3 and 4 ranks give
+the 1-rank metrics, the classifier's and (with a corruption that draws nothing) the pretraining
+module's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from workspace import ROOT, environment
 from mpp.shards.format import shard_name, shard_pattern
 
 DDP = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
+RANK_COUNTS = (1, 2, 3, 4)
+
+
+def ranks(devices: int) -> list[str]:
+    """One process, or `devices` DDP ranks, on the CPU, in float32: each rank's batches differ with the
+    rank count, and float32 keeps a sample's numbers the same in any batch to within rounding."""
+    return ["--trainer.accelerator", "cpu", "--trainer.devices", str(devices), "--trainer.precision", "32-true",
+            *(["--trainer.strategy", "ddp"] if devices > 1 else [])]
 
 
 def labelled_shards(folder: Path, prefix: str, sizes: list[int], *, first: int = 0) -> str:
@@ -60,8 +69,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("shards")
     return {
         "train": labelled_shards(root, "train", [8, 8, 8]),
-        # 3 shards for 2 ranks, of 5 + 4 samples on rank 0 and 6 on rank 1: 3 and 2 batches of 4
+        # 3 shards for 2 ranks, of 5 + 4 samples on rank 0 and 6 on rank 1: 3 and 2 batches of 4;
+        # on 4 ranks, rank 3 has none
         "val": labelled_shards(root, "val", [5, 6, 4], first=1000),
+        # 22 samples: 10, 10 and 2 on 3 ranks, 4, 9, 2 and 7 on 4
         "test": labelled_shards(root, "test", [3, 9, 2, 7, 1], first=2000),
     }
 
@@ -78,7 +89,11 @@ def shrink(data: dict[str, str], *splits: str) -> list[str]:
 def test_ddp_pretraining_validates_with_every_rank_in_step(tmp_path: Path, data: dict[str, str]) -> None:
     config = str(ROOT / "configs" / "pretrain" / "demo.yaml")
     out = tmp_path / "probe"
-    fit = mpp("fit", "--config", config, *DDP, *shrink(data, "train", "val"), "--trainer.max_steps", "4",
+    # Every patch masked: a validation that draws nothing, so that any rank count gives the same metrics.
+    # (Set for the fit: a checkpoint's hyperparameters win over the command line's in `mpp validate`.)
+    fixed = ["--model.init_args.corruption.ratio", "1.0", "--model.init_args.corruption.mask", "1.0",
+             "--model.init_args.corruption.random", "0.0", "--model.init_args.corruption.keep", "0.0"]
+    fit = mpp("fit", "--config", config, *DDP, *shrink(data, "train", "val"), *fixed, "--trainer.max_steps", "4",
               "--trainer.val_check_interval", "2", "--trainer.default_root_dir", str(tmp_path / "run"),
               probe(out, "fit"), cwd=ROOT)
     assert fit.returncode == 0, fit.stderr[-4000:]
@@ -97,11 +112,24 @@ def test_ddp_pretraining_validates_with_every_rank_in_step(tmp_path: Path, data:
         assert ends[0][name] == pytest.approx(ends[1][name]), f"{name} differs between ranks"
 
     checkpoint = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    validated = mpp("validate", "--config", config, *DDP, *shrink(data, "val"), "--ckpt_path", checkpoint,
-                    "--trainer.default_root_dir", str(tmp_path / "validate"), probe(out, "validate"), cwd=ROOT)
-    assert validated.returncode == 0, validated.stderr[-4000:]
-    assert [len(events(out, "validate", rank, "val")) for rank in (0, 1)] == [3, 3]
-    assert "val/mpp_accuracy" in validated.stdout
+    metrics = {}
+    for devices in RANK_COUNTS:
+        tag = f"validate{devices}"
+        validated = mpp("validate", "--config", config, *ranks(devices), *shrink(data, "val"),
+                        "--ckpt_path", checkpoint, "--trainer.default_root_dir", str(tmp_path / tag),
+                        probe(out, tag), cwd=ROOT)
+        assert validated.returncode == 0, validated.stderr[-4000:]
+        batches = [events(out, tag, rank, "val") for rank in range(devices)]
+        assert len({len(b) for b in batches}) == 1, f"{devices} ranks ran different validation batch counts"
+        seen = sorted(label for rank in batches for b in rank for label in b["labels"])
+        assert seen == sorted(i % 10 for i in range(1000, 1015)), f"{devices} ranks: each sample once"
+        assert "val/mpp_accuracy" in validated.stdout
+        metrics[devices] = events(out, tag, 0, "val_end")[0]["metrics"]
+    assert {"val/loss", "val/mpp_accuracy", "val/majority_accuracy"} <= metrics[1].keys()
+    for devices in RANK_COUNTS[1:]:
+        assert metrics[devices].keys() == metrics[1].keys()
+        for name, value in metrics[1].items():
+            assert metrics[devices][name] == pytest.approx(value, rel=1e-5), f"{name} on {devices} ranks"
 
 
 def test_ddp_classifier_tests_each_sample_once(tmp_path: Path, data: dict[str, str]) -> None:
@@ -112,10 +140,9 @@ def test_ddp_classifier_tests_each_sample_once(tmp_path: Path, data: dict[str, s
     assert fit.returncode == 0, fit.stderr[-4000:]
     checkpoint = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
     accuracy = {}
-    for devices in (2, 1):
+    for devices in RANK_COUNTS:
         tag = f"test{devices}"
-        ranks = ["--trainer.devices", str(devices)] + (["--trainer.strategy", "ddp"] if devices == 2 else [])
-        tested = mpp("test", "--config", config, "--trainer.accelerator", "cpu", *ranks, *shrink(data, "test"),
+        tested = mpp("test", "--config", config, *ranks(devices), *shrink(data, "test"),
                      "--ckpt_path", checkpoint, "--trainer.default_root_dir", str(tmp_path / tag), probe(out, tag),
                      cwd=ROOT)
         assert tested.returncode == 0, tested.stderr[-4000:]
@@ -124,9 +151,11 @@ def test_ddp_classifier_tests_each_sample_once(tmp_path: Path, data: dict[str, s
         seen = sorted(label for rank in batches for b in rank for label in b["labels"])
         assert seen == sorted(i % 10 for i in range(2000, 2022)), "each test sample exactly once"
         accuracy[devices] = events(out, tag, 0, "test_end")[0]["metrics"]
-    assert accuracy[2].keys() == accuracy[1].keys() and "test/accuracy" in accuracy[2]
-    for name, value in accuracy[1].items():
-        assert accuracy[2][name] == pytest.approx(value, abs=1e-6), name
+    assert {"test/loss", "test/accuracy"} <= accuracy[1].keys()
+    for devices in RANK_COUNTS[1:]:
+        assert accuracy[devices].keys() == accuracy[1].keys()
+        for name, value in accuracy[1].items():
+            assert accuracy[devices][name] == pytest.approx(value, rel=1e-5), f"{name} on {devices} ranks"
 
 
 @pytest.mark.slow  # waits out a DDP timeout (~20 s)
