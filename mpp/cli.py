@@ -36,7 +36,7 @@ from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.eval.records import run_folders
 from mpp.model.vit import ViTConfig
-from mpp.precision import default_precision
+from mpp.precision import run_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
 from mpp.train.callbacks import RankFailure
 from mpp.train.checkpoint_io import AtomicCheckpointIO, check_checkpoint
@@ -74,9 +74,9 @@ class MPPCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
-        if config.trainer.precision is None:  # not set: the fastest this machine computes (mpp.precision)
-            config.trainer.precision, why = default_precision(config.trainer.accelerator)
-            self.precision_note = f" (trainer.precision unset: {why})"
+        # Unset: the fastest this machine computes; bf16 where the device would emulate it: 32-true (mpp.precision).
+        config.trainer.precision, why = run_precision(config.trainer.precision, config.trainer.accelerator)
+        self.precision_note = f" ({why})" if why else ""
         place_run_outputs(config)
         flush_records_often()
         if self.subcommand == "fit":  # validate and test log runs of their own
@@ -126,6 +126,18 @@ class MPPCLI(LightningCLI):
     def before_fit(self) -> None:
         note = getattr(self, "precision_note", "")
         self.trainer.print(redact(run_summary(self.trainer, self.model, self.datamodule, precision_note=note)))
+
+    def before_validate(self) -> None:
+        self._say_precision()
+
+    def before_test(self) -> None:
+        self._say_precision()
+
+    def _say_precision(self) -> None:
+        """Evaluation prints no summary; it still says when it runs in another precision than the config's."""
+        note = getattr(self, "precision_note", "")
+        if "asked for" in note:
+            self.trainer.print(f"mpp: precision {self.trainer.precision}{note}")
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:  # other ranks hold placeholder loggers

@@ -38,6 +38,16 @@ SHRINK = ["--data.batch_size", "2", "--data.num_workers", "0", "--trainer.max_st
           "--data.samples_per_epoch", "8", "--model.init_args.compile", "false", "--trainer.limit_val_batches", "2",
           "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1"]
 BUCKET_SHARDS = 4  # the recipes' 4,096 shards, shrunk
+# ViT-B/16's 224 and 384 px images, shrunk to 4 x 4 and 7 x 7 of its patches (tests/test_configs.py fits
+# the full sizes in `make test-slow`): seconds a step on a CPU without bf16 rather than tens.
+SMALL_IMAGES = {"configs/pretrain/vit_b16.yaml": 64, "configs/scratch/vit_b16.yaml": 64,
+                "configs/finetune/vit_b16.yaml": 112}
+
+
+def small_images(argv: list[str]) -> list[str]:
+    """The override that shrinks the images of the ViT-B/16 recipe `argv` runs, if it runs one."""
+    sizes = [SMALL_IMAGES[arg] for arg in argv if arg in SMALL_IMAGES]
+    return ["--model.init_args.encoder.image_size", str(sizes[-1])] if sizes else []
 KNOWN = ("mpp", "python", "torchrun", "srun", "export", "make", "#SBATCH", "#!/bin/bash")
 
 
@@ -147,6 +157,8 @@ def test_readme_mpp_commands_run_as_written(user: Path, command: list[str]) -> N
         extra += ["--trainer.max_steps", "4"]  # two steps more than the run it resumes
     if "configs/trainer/gpu.yaml" in argv:
         extra += ["--trainer.accelerator", "cpu"]  # no GPU here; the README says so
+    if not any(re.fullmatch(r"configs/model/vit_[lh]\.yaml", arg) for arg in argv):  # ViT-L/H: slow, at full size
+        extra += small_images(argv)
     result, seconds = run([console_script("mpp"), *argv[1:], *extra], user, env=user_env(user))
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout + result.stderr
@@ -267,7 +279,7 @@ def recipe(command: list[str], *, after: str) -> list[str]:
     train = args[args.index("--data.train") + 1]
     shrunk = re.sub(r"\{000000\.\.\d+\}", f"{{000000..{BUCKET_SHARDS - 1:06d}}}", train)
     return [*args, "--trainer.num_nodes", "1", "--trainer.devices", "2", "--trainer.accelerator", "cpu", *SHRINK,
-            "--data.train", shrunk]
+            *small_images(args), "--data.train", shrunk]
 
 
 def bucket_keys(command: list[str]) -> tuple[str, list[str]]:

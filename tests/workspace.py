@@ -18,6 +18,9 @@ from shardkit import sample, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).parent
+# A run's environment as on a CPU without bf16, on any machine: oneDNN and ATen held to AVX2, so that
+# bf16 would be emulated there, and mpp.precision says so (float32 is what such a run takes).
+NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 # Shard sets the shipped configs and README name by default: (folder, prefix, shards, labelled).
 DEFAULT_SHARDS = [("my-images", "train", 1024, False), ("imagenet", "train", 1024, True),

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mpp.data.module import ShardDataModule
 from mpp.model.pixels import pair
-from mpp.precision import default_precision
+from mpp.precision import run_precision as fitted_precision
 from mpp.shards.format import shard_pattern
 from mpp.shards.sources import Source
 from mpp.shards.writer import WriteOptions, write_shards
@@ -159,8 +159,9 @@ def steady_rates(ends: Sequence[float], images: int) -> Rates:
 
 
 def run_precision(trainer_config: dict[str, Any]) -> str:
-    """The precision `mpp fit` gives a run config: its own, else this machine's default (mpp.precision)."""
-    return trainer_config.get("precision") or default_precision(trainer_config.get("accelerator", "auto"))[0]
+    """The precision `mpp fit` gives a run config: its own where the device computes it, else this
+    machine's (mpp.precision)."""
+    return fitted_precision(trainer_config.get("precision"), trainer_config.get("accelerator", "auto"))[0]
 
 
 def load_run_config(setting: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from mpp.eval.linear import DEFAULTS, fewshot_evaluation, linear_probe
 from mpp.model.checkpoint import encoder_and_normalisation
 from mpp.model.pixels import to_unit_range
 from mpp.model.vit import ViT
-from mpp.precision import default_precision
+from mpp.precision import run_precision
 
 
 def fewshot_data(
@@ -307,11 +307,11 @@ def evaluate_checkpoint(
 
     The n-shot examples come from the first `max_train` samples of `train`, in shard order; k-NN and
     the probe take all of them. The features are computed under bf16 autocast if `precision` is a
-    bf16 one; None: the precision `mpp fit` takes on this device when a config names none (mpp.precision).
+    bf16 one and the device computes bf16; None: the precision `mpp fit` takes on this device when a
+    config names none (mpp.precision).
     """
     device_type = torch.device(device).type
-    if precision is None:
-        precision = default_precision(device_type)[0]
+    precision = run_precision(precision, device_type)[0]
     autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
     encoder, normalise = encoder_and_normalisation(path)
     if image_size is not None:
