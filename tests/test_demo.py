@@ -1,6 +1,6 @@
 """The demo as a user runs it: the full pretraining config learns beyond the majority class.
 
-About four minutes on two CPU cores, so it is marked slow: `make test-slow`.
+About two minutes on two CPU cores, so it is marked slow: `make test-slow`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_demo_pretraining_beats_the_majority_class(tmp_path):
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     validations = [row for row in history(run) if "val/mpp_accuracy" in row]
     first, last = validations[0], validations[-1]
-    assert last["trainer/global_step"] == 599  # logged during the 600th step
-    assert last["val/mpp_accuracy"] > last["val/majority_accuracy"] + 0.15
+    assert last["trainer/global_step"] == 199  # logged during the 200th step
+    assert last["val/mpp_accuracy"] > last["val/majority_accuracy"] + 0.10
     assert last["val/mpp_accuracy"] > first["val/mpp_accuracy"]
     assert last["val/loss"] < first["val/loss"]

@@ -93,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-steps", type=int, help="pretraining steps (default: the config's)")
     # The table's few-shot columns; everything else about the evaluation is mpp.eval.fewshot.DEFAULTS.
     parser.add_argument("--shots", type=int, nargs="+", default=[10, 25], help="few-shot columns")
+    parser.add_argument(
+        "--frozen-train",
+        type=int,
+        default=2000,
+        help="labelled training images the frozen encoders' k-NN and linear probe learn from (the first ones, "
+        "in shard order; the demo pretraining's few-shot callback takes the same 2,000)",
+    )
     parser.add_argument("--out", default="runs/compare", help="folder for every run, the table and the plot")
     args = parser.parse_args(argv)
     out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
@@ -134,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     fewshot_train = args.train or read_config(ROOT / args.finetune)["data"]["train"]  # the arms' labelled shards
     first_test = next(iter(tests.values()))
     frozen = {
-        key: evaluate_checkpoint(path, train=fewshot_train, test=first_test, shots=args.shots)
+        key: evaluate_checkpoint(
+            path, train=fewshot_train, test=first_test, shots=args.shots, max_train=args.frozen_train
+        )
         for key, path in {
             "pretrained": pretrained,
             **{arm: str(out / arm / "checkpoints" / "last.ckpt") for arm in ARMS},
