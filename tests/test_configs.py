@@ -51,8 +51,8 @@ PRESET_OF = {name: "configs/model/" + {"demo": "vit_demo.yaml", "vit_b16": "vit_
                                         "vit_b16_r50": "vit_b_r50.yaml"}[Path(name).stem]
              for name in RUN_CONFIGS}
 # Size presets; ViT-L and ViT-H (303M and 631M parameters) take minutes a step here: `make test-slow`.
-# (vit_demo.yaml is the demo configs' own, fitted with them above.)
-MODEL_PRESETS = ["configs/model/vit_ti.yaml", "configs/model/vit_s.yaml", "configs/model/vit_b.yaml",
+# (vit_demo.yaml and vit_b.yaml are the demo's and the ViT-B/16 recipes' own, fitted with them above.)
+MODEL_PRESETS = ["configs/model/vit_ti.yaml", "configs/model/vit_s.yaml",
                  pytest.param("configs/model/vit_l.yaml", marks=pytest.mark.slow),
                  pytest.param("configs/model/vit_h.yaml", marks=pytest.mark.slow)]
 BATCH = 2
@@ -214,6 +214,19 @@ def test_a_finetune_config_starts_from_its_pretraining_run(fits: Fits, recipe: s
     key = "encoder.pos_embed"
     assert pretrained["state_dict"][key].shape[1] == 1 + (sizes[0] // 16) ** 2
     assert finetuned["state_dict"][key].shape[1] == 1 + (sizes[1] // 16) ** 2
+
+
+def test_an_evaluation_says_when_it_runs_another_precision_than_its_configs(fits: Fits) -> None:
+    """`mpp test` of the fine-tuned ViT-B/16 recipe (bf16-mixed) on a CPU without bf16: one line says so."""
+    name = "finetune/vit_b16.yaml"
+    folder = fits[name]["folder"]
+    result, _ = run([console_script("mpp"), "test", "--config", "configs/trainer/cpu.yaml", "--config",
+                     f"configs/{name}", *shrink(name), "--trainer.limit_test_batches", "2", "--trainer.logger", "false",
+                     "--ckpt_path", "runs/vit_b16_finetune/checkpoints/last.ckpt"], folder, env=environment(**NO_BF16))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("mpp: precision 32-true (bf16-mixed asked for, but the CPU has no bf16 instructions (AVX-512 BF16 or AMX) "
+            "and would emulate it an order of magnitude slower than float32)") in result.stdout + result.stderr
+    assert "test/accuracy" in result.stdout
 
 
 def instantiate(*args: str, bf16: bool = True) -> object:
