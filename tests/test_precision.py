@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from mpp import precision
-from mpp.precision import default_precision
+from mpp.precision import default_precision, run_precision
+
+
+@pytest.fixture(autouse=True)
+def kernels_as_built(monkeypatch) -> None:
+    """No cap on oneDNN's or ATen's instructions from the machine's environment (the tests set their own)."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
 
 
 @pytest.mark.parametrize(
@@ -50,3 +57,47 @@ def test_an_accelerator_instance_counts_as_its_kind(monkeypatch) -> None:
 def test_other_accelerators_keep_lightnings_default(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_precision("mps") == ("32-true", "Lightning's default on mps")
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_a_configs_bf16_runs_only_where_the_device_computes_it(monkeypatch, bf16: bool) -> None:
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: bf16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for asked in ("bf16-mixed", "bf16-true"):
+        chosen, why = run_precision(asked, "cpu")
+        if bf16:
+            assert (chosen, why) == (asked, "")
+        else:
+            assert chosen == "32-true"
+            assert why == (f"{asked} asked for, but the CPU has no bf16 instructions (AVX-512 BF16 or AMX) and would "
+                           "emulate it an order of magnitude slower than float32")
+    for asked in ("32-true", "16-mixed", "64-true"):  # what a config names otherwise is its own
+        assert run_precision(asked, "cpu") == (asked, "")
+    unset = "the CPU has bf16 instructions" if bf16 else "the CPU has no bf16 instructions"
+    assert run_precision(None, "cpu") == ("bf16-mixed" if bf16 else "32-true", f"trainer.precision unset: {unset}")
+
+
+@pytest.mark.parametrize(("bf16", "expected"), [(True, "bf16-mixed"), (False, "32-true")])
+def test_a_gpus_bf16_is_what_it_computes_natively(monkeypatch, bf16: bool, expected: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    asked_emulation = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: asked_emulation.append(including_emulation) or bf16)
+    assert run_precision("bf16-mixed", "gpu")[0] == expected
+    assert asked_emulation == [False]  # a GPU that only emulates bf16 (a V100) does not count
+
+
+def test_other_accelerators_keep_the_configs_bf16(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run_precision("bf16-mixed", "tpu") == ("bf16-mixed", "")
+
+
+@pytest.mark.parametrize(("variable", "value"), [("ONEDNN_MAX_CPU_ISA", "AVX2"), ("ONEDNN_MAX_CPU_ISA", "avx512_core"),
+                                                 ("ATEN_CPU_CAPABILITY", "avx2"), ("ATEN_CPU_CAPABILITY", "default")])
+def test_kernels_held_below_avx512_count_as_a_cpu_without_bf16(monkeypatch, variable: str, value: str) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert precision.cpu_has_bf16()
+    monkeypatch.setenv(variable, value)
+    assert not precision.cpu_has_bf16()
+    monkeypatch.setenv(variable, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "ATEN_CPU_CAPABILITY": "avx512"}[variable])
+    assert precision.cpu_has_bf16()
