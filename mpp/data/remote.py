@@ -10,8 +10,12 @@
 Remote reads outlast an endpoint that drops connections or answers 5xx for a while: a failed
 open or read is tried again after a pause that doubles each time (MPP_READ_RETRIES, default 5;
 MPP_READ_BACKOFF, default 1 s), reopening at the byte reached, and then fails with a
-ShardOpenError that names the URL. botocore and gcsfs retry such faults first on their own;
-this layer catches what their budgets leave, e.g. a range GET cut short after s3fs's fifth try.
+ShardOpenError that names the URL. This is the only retry layer: botocore's, s3fs's and gcsfs's
+own retries are off, and every attempt of every scheme waits at most ATTEMPT_TIMEOUT for a
+connection or a read. So every scheme meets a wrong endpoint the same way: an endpoint that
+refuses fails after the pauses alone (31 s by default), one that never answers after at most
+(retries + 1) x ATTEMPT_TIMEOUT more. With the libraries' retries on, a wrong
+gs:// endpoint took about 5 minutes (gcsfs tries each request 6 times), s3:// 75 s and http 31 s.
 Error messages pass through `mpp.secrets.redact`, so a presigned URL's signature never shows.
 """
 
@@ -38,6 +42,7 @@ from mpp.secrets import redact
 
 BLOCK_SIZE = 8 << 20  # bytes per bucket request: tar shards are read front to back
 BUFFER_SIZE = 1 << 20  # bytes per read from a remote stream
+ATTEMPT_TIMEOUT = 60.0  # seconds one attempt waits for a connection or a read, whatever the scheme
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 # Errors that no retry mends: a missing object, no access, a malformed URL or name.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, ValueError)
@@ -99,15 +104,35 @@ _filesystems: dict[tuple[str, ...], Any] = {}
 
 def _filesystem(scheme: str) -> Any:
     """One fsspec filesystem per process and endpoint: async clients do not survive a fork."""
-    import fsspec
-
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL", ""))
     if scheme == "gs":
         endpoint = os.environ.get("STORAGE_EMULATOR_HOST", "")
     key = (scheme, str(os.getpid()), endpoint)
     if key not in _filesystems:
-        _filesystems[key] = fsspec.filesystem(scheme, skip_instance_cache=True)
+        _filesystems[key] = _one_try_s3() if scheme == "s3" else _one_try_gcs()
     return _filesystems[key]
+
+
+def _one_try_s3() -> Any:
+    """s3fs with botocore's retries and its own off, and ATTEMPT_TIMEOUT on connecting and reading."""
+    import s3fs
+
+    timeouts = {"connect_timeout": ATTEMPT_TIMEOUT, "read_timeout": ATTEMPT_TIMEOUT}
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={"retries": {"total_max_attempts": 1}, **timeouts})
+    fs.retries = 1  # s3fs's own loop: one try
+    return fs
+
+
+def _one_try_gcs() -> Any:
+    """gcsfs whose requests are tried once (its `_request` without the retry decorator), each within ATTEMPT_TIMEOUT."""
+    import aiohttp
+    import gcsfs
+
+    class OneTryGCSFileSystem(gcsfs.GCSFileSystem):  # type: ignore[misc]  # gcsfs has no type hints
+        _request = gcsfs.GCSFileSystem._request.__wrapped__
+
+    timeout = aiohttp.ClientTimeout(total=None, connect=ATTEMPT_TIMEOUT, sock_read=ATTEMPT_TIMEOUT)
+    return OneTryGCSFileSystem(skip_instance_cache=True, requests_timeout=timeout)
 
 
 def open_http(url: str) -> BinaryIO:
@@ -116,7 +141,8 @@ def open_http(url: str) -> BinaryIO:
     def open_at(offset: int) -> tuple[BinaryIO, int | None]:
         headers = {"Range": f"bytes={offset}-"} if offset else {}
         try:
-            response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60.0)
+            request = urllib.request.Request(url, headers=headers)
+            response = urllib.request.urlopen(request, timeout=ATTEMPT_TIMEOUT)
         except urllib.error.HTTPError as exc:
             if exc.code in _RETRY_STATUS:
                 raise
@@ -202,6 +228,7 @@ class _ResumingStream(io.RawIOBase):
     def _retrying(self, step: Callable[[], Any], what: str) -> Any:
         """`step()`, tried up to 1 + retries times with doubling pauses; the stream is reopened after a failure."""
         error: BaseException | None = None
+        start = time.monotonic()
         for attempt in range(self._retries + 1):
             if attempt:
                 time.sleep(self._backoff * 2 ** (attempt - 1))
@@ -217,8 +244,9 @@ class _ResumingStream(io.RawIOBase):
         where = f" at byte {self._pos} of {self._size if self._size is not None else '?'}" if self._pos else ""
         attempts = f"{self._retries + 1} attempt" + ("s" if self._retries else "")
         raise ShardOpenError(
-            f"cannot {what} {self.url}{where}: {type(error).__name__}: {error}; gave up after {attempts} "
-            f"(MPP_READ_RETRIES={self._retries}, MPP_READ_BACKOFF={self._backoff} s, doubling){self._hint}"
+            f"cannot {what} {self.url}{where}: {type(error).__name__}: {error}; gave up after {attempts} in "
+            f"{time.monotonic() - start:.0f} s (MPP_READ_RETRIES={self._retries}, MPP_READ_BACKOFF={self._backoff} s, "
+            f"doubling){self._hint}"
         ) from error
 
     def _close_stream(self) -> None:
