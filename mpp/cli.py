@@ -11,20 +11,18 @@ mapping in a config can start from another file with `__base__` (mpp.config).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
+from pytorch_lightning.callbacks import ModelSummary, RichModelSummary
 from pytorch_lightning.cli import (
     LightningArgumentParser,
     LightningCLI,
     SaveConfigCallback,
 )
-from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.plugins.io import CheckpointIO
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
@@ -34,13 +32,18 @@ from mpp.config import register_parser_mode
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
-from mpp.eval.records import run_folders
-from mpp.model.vit import ViTConfig
 from mpp.precision import run_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
+from mpp.summary import (
+    folders_of,
+    last_checkpoints,
+    name_checkpoint_folders,
+    results_summary,
+    resume_hint,
+    run_summary,
+)
 from mpp.train.callbacks import RankFailure
 from mpp.train.checkpoint_io import AtomicCheckpointIO, check_checkpoint
-from mpp.train.optim import global_batch_size
 from mpp.train.wandb_run import (
     WandbRunCheckpoint,
     choose_wandb_mode,
@@ -104,13 +107,33 @@ class MPPCLI(LightningCLI):
                 if type(callback) is RichModelSummary:
                     callbacks[index] = ModelSummary(max_depth=callback._max_depth)
         callbacks.extend([RankFailure(), WandbRunCheckpoint()])
+        name_checkpoint_folders(trainer)
         return trainer
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self.command_line = list(sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand is not None:  # before Lightning reads the checkpoint's hyperparameters
             check_checkpoint(self.config[subcommand].get("ckpt_path"))
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning lays a checkpoint's hyperparameters over the whole config, the command line's
+        `--model.*` too; those are laid back over them, each said in a line."""
+        before = self.config.clone()
+        super()._parse_ckpt_path()
+        self.override_lines = []
+        subcommand = self.config.get("subcommand")
+        if subcommand is None or before == self.config:
+            return
+        for key in model_keys(self.command_line):
+            path = f"{subcommand}.{key}"
+            if path not in before:
+                continue
+            given, saved = before[path], self.config[path]
+            if given != saved:
+                self.config[path] = given
+                self.override_lines.append(f"mpp: --{key} {given} from the command line, over the checkpoint's {saved}")
 
     def instantiate_classes(self) -> None:
         """Build the configured objects; a value they refuse is a config error (exit code 2)."""
@@ -126,18 +149,45 @@ class MPPCLI(LightningCLI):
     def before_fit(self) -> None:
         note = getattr(self, "precision_note", "")
         self.trainer.print(redact(run_summary(self.trainer, self.model, self.datamodule, precision_note=note)))
+        self._say_overrides()
+        if self._wants_last() and not last_checkpoints(self.trainer):
+            self.trainer.print(
+                f"mpp: --ckpt_path last: no checkpoint in {folders_of(self.trainer)}: the run starts at step 0"
+            )
 
     def before_validate(self) -> None:
-        self._say_precision()
+        self._before_evaluation()
 
     def before_test(self) -> None:
+        self._before_evaluation()
+
+    def _before_evaluation(self) -> None:
+        if self._wants_last() and not last_checkpoints(self.trainer):
+            folders = folders_of(self.trainer)
+            raise ConfigError(f"--ckpt_path last: no last checkpoint in {folders}; give the checkpoint's path")
         self._say_precision()
+        self._say_overrides()
+
+    def _wants_last(self) -> bool:
+        return self.config[self.subcommand].get("ckpt_path") == "last"
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; a run that stops on a signal carries how to resume it, from the checkpoints there are."""
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException as stop:
+            stop.mpp_resume = resume_hint(self.trainer)  # type: ignore[attr-defined]  # read by main()
+            raise
 
     def _say_precision(self) -> None:
         """Evaluation prints no summary; it still says when it runs in another precision than the config's."""
         note = getattr(self, "precision_note", "")
         if "asked for" in note:
             self.trainer.print(f"mpp: precision {self.trainer.precision}{note}")
+
+    def _say_overrides(self) -> None:
+        for line in getattr(self, "override_lines", []):
+            self.trainer.print(redact(line))
 
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:  # other ranks hold placeholder loggers
@@ -163,91 +213,22 @@ def place_run_outputs(config: Any) -> None:
             callback.init_args.dirpath = str(Path(root) / "checkpoints")
 
 
-def patches_of(encoder: ViTConfig) -> str:
-    """What the encoder's tokens are cut from, for the summary."""
-    if encoder.stem is None:
-        return f"{encoder.patch_size} px patches"
-    stem = encoder.stem
-    return (
-        f"{encoder.patch_size} patches of a ResNet stem (layers {list(stem.layers)}, width {stem.width}, "
-        f"stride {stem.stride}): tokens of {list(encoder.token_size)} px"
-    )
+def model_keys(argv: list[str]) -> list[str]:
+    """The model settings a command line gives, as config keys: `--model.init_args.corruption.ratio 1` ->
+    `model.init_args.corruption.ratio` (a key given without `init_args.` gets it)."""
+    keys = []
+    for arg in argv:
+        if arg.startswith("--model.") and not arg.startswith("--model.class_path"):
+            key = arg[2:].split("=", 1)[0]
+            keys.append(key if key.startswith("model.init_args.") else key.replace("model.", "model.init_args.", 1))
+    return keys
 
 
-def run_summary(trainer: pl.Trainer, model: pl.LightningModule, data: Any, *, precision_note: str = "") -> str:
-    """The first lines a user reads: what trains, on what, where, and where the results go."""
-    params = sum(p.numel() for p in model.parameters())
-    encoder = getattr(model, "encoder_config", None)
-    checkpoint_dirs = sorted(
-        {str(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath}
-    )
-    lines = [
-        f"mpp: {type(model).__name__}, {params / 1e6:.2f}M parameters"
-        + (
-            f", encoder {encoder.dim}x{encoder.depth} ({encoder.heads} heads), {patches_of(encoder)} of {encoder.image_size} px images"
-            if encoder
-            else ""
-        ),
-        f"mpp: data train={data.hparams.get('train')} val={data.hparams.get('val')}",
-        f"mpp: world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s)), "
-        f"precision {trainer.precision}{precision_note}, max_steps {trainer.max_steps}",
-        *batch_and_lr(trainer, model, data),
-        f"mpp: run folder {trainer.default_root_dir}; checkpoints in {', '.join(checkpoint_dirs) or 'none'}",
-    ]
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            mode = os.environ.get("WANDB_MODE", "online")
-            lines.append(
-                f"mpp: W&B {mode} in {logger.save_dir}/wandb"
-                + (
-                    " (no API key found; upload later with `wandb sync <run folder>/wandb/offline-run-*`)"
-                    if mode == "offline"
-                    else ""
-                )
-            )
-    return "\n".join(lines)
-
-
-def batch_and_lr(trainer: pl.Trainer, model: pl.LightningModule, data: Any) -> list[str]:
-    """The global batch as the product that makes it, and the learning rate it gets."""
-    batch = getattr(data, "batch_size", None)
-    if batch is None:
-        return []
-    total = global_batch_size(trainer, data)
-    line = (
-        f"mpp: global batch {total} = {trainer.num_nodes} node(s) x {trainer.num_devices} device(s) x "
-        f"batch {batch} x {trainer.accumulate_grad_batches} accumulated"
-    )
-    config = getattr(model, "optimizer_config", None)
-    if config is not None:
-        factor = config.lr_factor(total)
-        line += f"; peak lr {config.lr * factor:.4g}"
-        if config.reference_batch_size is not None:
-            line += (
-                f" (optimizer.lr {config.lr:g} for batch {config.reference_batch_size}, {config.lr_scaling} scaling)"
-            )
-    return [line]
-
-
-def results_summary(trainer: pl.Trainer) -> str:
-    """Where a finished run left its checkpoints, W&B records and pictures."""
-    lines = []
-    for callback in trainer.checkpoint_callbacks:
-        last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
-        if last:
-            lines.append(f"mpp: checkpoint {last} (resume with --ckpt_path last)")
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            run_dir = Path(logger.experiment.dir).parent
-            attempts = run_folders(run_dir.parent, logger.experiment.id)
-            # A resumed run has a folder per attempt; `wandb sync` given all of them uploads one run.
-            shown = run_dir if len(attempts) < 2 else run_dir.parent / f"offline-run-*-{logger.experiment.id}"
-            hint = f" (upload with `wandb sync {shown}`)" if os.environ.get("WANDB_MODE") == "offline" else ""
-            lines.append(f"mpp: W&B run {run_dir}{hint}")
-    pictures = Path(trainer.default_root_dir) / "pictures"
-    if pictures.is_dir():
-        lines.append(f"mpp: pictures in {pictures}")
-    return "\n".join(lines)
+def resumed(stop: BaseException, message: str = "resume with --ckpt_path last") -> str:
+    """`message`, its "resume with --ckpt_path last" told by the checkpoints the stopped run left."""
+    hint = getattr(stop, "mpp_resume", None)
+    default = "resume with --ckpt_path last"
+    return message[: -len(default)] + hint if hint and message.endswith(default) else message
 
 
 def redact_logs() -> None:
@@ -288,7 +269,7 @@ def main(args: list[str] | None = None) -> None:
         )
     except SIGTERMException as stop:  # Lightning stops between steps after a SIGTERM, with exit code 0
         end_progress_bars()
-        print("mpp: stopped by SIGTERM; resume with --ckpt_path last", file=sys.stderr, flush=True)
+        print(f"mpp: stopped by SIGTERM; {resumed(stop)}", file=sys.stderr, flush=True)
         raise SystemExit(128 + signal.SIGTERM) from stop
     except Exception as error:
         if debug:
@@ -296,13 +277,13 @@ def main(args: list[str] | None = None) -> None:
         rank = getattr(rank_zero_only, "rank", 0)
         where = f" (rank {rank})" if rank else ""
         end_progress_bars()
-        print(redact(f"mpp: error{where}: {explain(error)}"), file=sys.stderr, flush=True)
+        print(redact(f"mpp: error{where}: {resumed(error, explain(error))}"), file=sys.stderr, flush=True)
         raise SystemExit(exit_code(error)) from None
     except KeyboardInterrupt as error:
         if debug:
             raise
         end_progress_bars()
-        print(f"mpp: {explain(error)}", file=sys.stderr, flush=True)
+        print(f"mpp: {resumed(error, explain(error))}", file=sys.stderr, flush=True)
         raise SystemExit(exit_code(error)) from None
 
 

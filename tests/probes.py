@@ -114,3 +114,14 @@ class Stall(pl.Callback):
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         if trainer.global_rank == self.rank and batch_idx == 0:
             time.sleep(self.seconds)
+
+
+class Sigterm(pl.Callback):
+    """Sends its own process SIGTERM after training step `step`, as a scheduler stopping the job would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)

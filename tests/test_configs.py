@@ -252,7 +252,7 @@ def instantiate(*args: str, bf16: bool = True) -> object:
 @pytest.mark.parametrize("name", [run_config(name) if name.startswith("finetune/") else name for name in RUN_CONFIGS])
 def test_every_gpu_preset_with_every_run_config_prints_and_instantiates(fits: dict[str, dict], name: str,
                                                                        preset: str, monkeypatch) -> None:
-    from mpp.cli import run_summary
+    from mpp.summary import run_summary
     from mpp.train.strategies import BlockFSDPStrategy
 
     # A fine-tuning config instantiates from its pretraining run's checkpoint: that run is fitted first.

@@ -150,7 +150,8 @@ def test_a_run_stopped_by_sigterm_says_so(tmp_path):
     lines = [line for line in out.splitlines() if line.strip()]
     assert process.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert re.fullmatch(r"mpp: (error: the run was stopped by SIGTERM, which also stopped its DataLoader workers "
-                        r"\(worker \d \(pid \d+\) .*\)|stopped by SIGTERM); resume with --ckpt_path last", lines[-1]), out
+                        r"\(worker \d \(pid \d+\) .*\)|stopped by SIGTERM); (resume with --ckpt_path last|no checkpoint in "
+                        r"\S+ to resume from: running it again starts at step 0)", lines[-1]), out
     assert "out-of-memory" not in out and "Traceback" not in out
 
 

@@ -37,7 +37,7 @@ from mpp.data.device_decode import finish_on_device, torchvision_io
 from mpp.data.loader import ShardLoader
 from mpp.data.stream import Decode, ShardStream
 from mpp.data.transforms import ImageTransform
-from mpp.data.urls import expand_urls
+from mpp.data.urls import check_repeated, expand_urls
 from mpp.errors import ConfigError
 from mpp.model.pixels import pair
 from mpp.model.vit import ViTConfig
@@ -212,6 +212,7 @@ class ShardDataModule(pl.LightningDataModule):
             if spec is not None:
                 try:
                     self.urls[split] = expand_urls(spec, allow_pipe=self.allow_pipe)
+                    check_repeated(split, self.urls[split])
                 except (OSError, ValueError) as error:
                     raise ConfigError(redact(f"data.{split}: {error}")) from error
         train = self.urls.get("train")

@@ -128,7 +128,7 @@ def _one_try_gcs() -> Any:
     import aiohttp
     import gcsfs
 
-    class OneTryGCSFileSystem(gcsfs.GCSFileSystem):  # type: ignore[misc]  # gcsfs has no type hints
+    class OneTryGCSFileSystem(gcsfs.GCSFileSystem):
         _request = gcsfs.GCSFileSystem._request.__wrapped__
 
     timeout = aiohttp.ClientTimeout(total=None, connect=ATTEMPT_TIMEOUT, sock_read=ATTEMPT_TIMEOUT)

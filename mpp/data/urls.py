@@ -8,6 +8,7 @@ pipe: URLs run shell commands and are refused unless the config allows them.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 import braceexpand
 
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
+log = logging.getLogger("mpp")
 
 
 def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[str]:
@@ -30,6 +32,19 @@ def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[
         for url in braceexpand.braceexpand(item):
             urls.extend(_checked(url, item, allow_pipe))
     return urls
+
+
+def check_repeated(split: str, urls: Sequence[str]) -> None:
+    """A shard named twice is read twice: a warning for training, an error where it would skew the metrics."""
+    counts: dict[str, int] = {}
+    for url in urls:  # a local file by any of its paths
+        key = os.path.realpath(url) if "://" not in url and not url.startswith("pipe:") else url
+        counts[key] = counts.get(key, 0) + 1
+    named = ", ".join(f"{url} ({count} times)" for url, count in counts.items() if count > 1)
+    if named and split == "train":
+        log.warning("data.train names %s: each is read that many times per epoch", named)
+    elif named:
+        raise ValueError(f"names {named}: their samples would count that many times in the metrics; name each once")
 
 
 def _checked(url: str, item: str, allow_pipe: bool) -> list[str]:

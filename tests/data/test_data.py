@@ -467,6 +467,22 @@ def test_unlabelled_samples_get_minus_one(tmp_path: Path) -> None:
     assert labels == [-1, -1, -1]
 
 
+def test_a_shard_named_twice_is_refused_for_evaluation_and_warned_of_for_training(shards: str,
+                                                                                caplog: pytest.LogCaptureFixture) -> None:
+    # It was read twice, silently: 2,000 validation samples from a 1,000-sample shard.
+    folder = Path(shards).parent
+    first = str(folder / "train-000000.tar")
+    twice = re.escape(f"{first} (2 times)")
+    for split, spec in [("val", [first, first]), ("test", str(folder / "train-{000000,000000,000001}.tar")),
+                        ("val", [first, f"{folder}/../{folder.name}/train-000000.tar"])]:
+        with pytest.raises(ConfigError, match=rf"^data\.{split}: names {twice}: their samples would count that many "
+                                              "times in the metrics; name each once$"):
+            make(shards, **{split: spec}).setup("validate" if split == "val" else "test")
+    with caplog.at_level(logging.WARNING, logger="mpp"):
+        make([first, first, str(folder / "train-000001.tar")]).setup("fit")
+    assert f"data.train names {first} (2 times): each is read that many times per epoch" in caplog.text
+
+
 def test_missing_or_empty_shard_specs_fail_naming_them(shards: str, tmp_path: Path) -> None:
     missing = str(tmp_path / "train-{000000..000001}.tar")
     with pytest.raises(ConfigError, match=r"^data\.train: shard .*train-000000.tar .*does not exist"):

@@ -16,7 +16,6 @@ from export import main as export_main
 from workspace import ROOT
 
 from mpp import CorruptionConfig, ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViT, ViTConfig
-from mpp.cli import patches_of
 from mpp.config import read_config
 from mpp.eval.analyses import analyse
 from mpp.model import interop
@@ -25,6 +24,7 @@ from mpp.model.corruption import MASKED, choose_corruption, mask_pixels
 from mpp.model.pixels import Normalise
 from mpp.model.stem import StdConv2d, StemConfig, same_padding
 from mpp.model.targets import quantise_colours
+from mpp.summary import patches_of
 from mpp.train.pictures import prediction_panel
 
 # The demo's hybrid preset at 28 px: a stride-4 stem, 7 x 7 tokens of 4 x 4 pixels.

@@ -1,0 +1,82 @@
+"""What a run says is true: the settings it runs with, where its checkpoints and W&B records are, and how
+to go on after a stop, whatever the config leaves out (W&B disabled, no callbacks, no checkpoint yet)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from workspace import ROOT, TESTS, environment
+
+DEMO = "configs/pretrain/demo.yaml"
+CHECKPOINT = TESTS / "fixtures" / "before-layout" / "pretrain.ckpt"  # corruption ratio 0.5
+QUICK = ["--data.batch_size", "8", "--data.num_workers", "0", "--trainer.limit_val_batches", "1",
+         "--trainer.enable_progress_bar", "false", "--trainer.num_sanity_val_steps", "0",
+         "--trainer.precision", "32-true"]
+
+
+def mpp(*args: str, root: Path, **env: str) -> tuple[int, list[str]]:
+    """`mpp <args>` in a subprocess with its run under `root` -> (exit code, its `mpp:` lines)."""
+    command = [sys.executable, "-m", "mpp.cli", *args, *QUICK, "--trainer.default_root_dir", str(root)]
+    done = subprocess.run(command, cwd=ROOT, env=environment(**env), capture_output=True, text=True, timeout=300)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("mpp: ")]
+    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.returncode, lines
+
+
+def test_a_model_setting_given_with_a_checkpoint_is_applied_and_said(tmp_path: Path) -> None:
+    # Lightning lays the checkpoint's hyperparameters over the command line: the run took 0.5, silently.
+    code, lines = mpp("validate", "--config", DEMO, "--ckpt_path", str(CHECKPOINT),
+                      "--model.init_args.corruption.ratio", "1.0", root=tmp_path)
+    assert code == 0, lines
+    assert "mpp: --model.init_args.corruption.ratio 1.0 from the command line, over the checkpoint's 0.5" in lines
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["model"]["init_args"]["corruption"]["ratio"] == 1.0
+    # The checkpoint's other settings stay: its encoder, not the config's.
+    assert saved["model"]["init_args"]["encoder"]["dim"] == 16
+
+
+def test_a_run_without_wandb_or_configured_checkpoints_says_where_its_checkpoint_is(tmp_path: Path) -> None:
+    # Lightning's own checkpoint callback, with W&B disabled: the header said "checkpoints in none" and the
+    # last line named a W&B folder that was never written.
+    code, lines = mpp("fit", "--config", DEMO, "--trainer.callbacks", "null", "--trainer.max_steps", "2",
+                      "--trainer.val_check_interval", "2", root=tmp_path, WANDB_MODE="disabled")
+    assert code == 0, lines
+    folder = tmp_path / "checkpoints"
+    assert f"mpp: run folder {tmp_path}; checkpoints in {folder}" in lines
+    assert "mpp: W&B disabled (WANDB_MODE=disabled): the run logs nothing to W&B" in lines
+    (written,) = folder.glob("*.ckpt")  # Lightning's name: no last.ckpt, so `--ckpt_path last` would find nothing
+    assert lines[-1] == f"mpp: checkpoint {written} (resume with --ckpt_path {written})"
+    assert not any("W&B run" in line for line in lines)
+
+
+@pytest.mark.parametrize(("stop_at", "said"), [
+    (1, "no checkpoint in {folder} to resume from: running it again starts at step 0"),
+    (3, "resume with --ckpt_path last"),
+])
+def test_a_run_stopped_by_sigterm_says_how_to_go_on(tmp_path: Path, stop_at: int, said: str) -> None:
+    callbacks = {"trainer": {"callbacks": [
+        {"class_path": "ModelCheckpoint", "init_args": {"every_n_train_steps": 2, "save_last": True}},
+        {"class_path": "probes.Sigterm", "init_args": {"step": stop_at}},
+    ]}}
+    (tmp_path / "stop.yaml").write_text(yaml.safe_dump(callbacks))
+    code, lines = mpp("fit", "--config", DEMO, "--config", str(tmp_path / "stop.yaml"), "--trainer.max_steps", "10",
+                      root=tmp_path / "run", WANDB_MODE="disabled")
+    assert code == 128 + signal.SIGTERM, lines
+    assert lines[-1] == "mpp: stopped by SIGTERM; " + said.format(folder=tmp_path / "run" / "checkpoints")
+
+
+def test_ckpt_path_last_without_a_checkpoint_says_so(tmp_path: Path) -> None:
+    code, lines = mpp("fit", "--config", DEMO, "--ckpt_path", "last", "--trainer.max_steps", "1", root=tmp_path,
+                      WANDB_MODE="disabled")
+    assert code == 0, lines
+    assert f"mpp: --ckpt_path last: no checkpoint in {tmp_path / 'checkpoints'}: the run starts at step 0" in lines
+    code, lines = mpp("validate", "--config", DEMO, "--ckpt_path", "last", root=tmp_path / "empty",
+                      WANDB_MODE="disabled")
+    assert code == 2
+    assert lines[-1] == (f"mpp: error: --ckpt_path last: no last checkpoint in {tmp_path / 'empty' / 'checkpoints'}; "
+                         "give the checkpoint's path")
