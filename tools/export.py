@@ -5,9 +5,10 @@ Examples:
     python tools/export.py runs/demo/pretrain/checkpoints/last.ckpt --format timm --out exports/demo-timm
 
 Load an export with `transformers.ViTModel.from_pretrained("exports/demo-hf", add_pooling_layer=False)`
-(its preprocessor_config.json holds the checkpoint's normalisation) or
-`timm.create_model("local-dir:exports/demo-timm", pretrained=True)` (the normalisation is in its
-pretrained_cfg); either computes the encoder's y = LN(z_L^0) as the class token's output. Fine-tune
+or `timm.create_model("local-dir:exports/demo-timm", pretrained=True)`; either computes the encoder's
+y = LN(z_L^0) as the class token's output. Each library's own preprocessing (`AutoImageProcessor`, or
+timm's `create_transform(**resolve_data_config({}, model=m))`) does what the checkpoint's evaluation did:
+the shorter side resized to cover the crop (data.eval_crop_fraction), a centre crop, the normalisation. Fine-tune
 from one with `--model.init_args.pretrained exports/demo-hf`.
 
 `--with-head` adds the checkpoint's other tensors (MaskedPatchPretraining: the MPP head `mpp.head.weight`,
@@ -44,6 +45,8 @@ def export(path: str, *, layout: Layout, out: str, with_head: bool) -> list[str]
         layout,
         mean=hyper["pixel_mean"],
         std=hyper["pixel_std"],
+        # The checkpoint's own evaluation crop; a module trained without the shard data module: the whole image.
+        crop_fraction=checkpoint.get("datamodule_hyper_parameters", {}).get("eval_crop_fraction", 1.0),
         extras=extras,
         extra_config=settings,
     )

@@ -13,6 +13,7 @@ hybrids builds: timm's builders fix the stem, and Hugging Face's ViTModel has no
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -151,10 +152,13 @@ def timm_hybrid_carrier(config: ViTConfig) -> str:
     return carriers[0]
 
 
-def timm_config(config: ViTConfig, mean: Sequence[float], std: Sequence[float]) -> dict[str, Any]:
+def timm_config(
+    config: ViTConfig, mean: Sequence[float], std: Sequence[float], crop_fraction: float = 1.0
+) -> dict[str, Any]:
     """timm's `config.json`: a registered model name where ours is one, else the model's sizes as
-    `model_args` (for a hybrid, on the registered name that builds its stem); the input normalisation
-    and size in `pretrained_cfg`."""
+    `model_args` (for a hybrid, on the registered name that builds its stem); in `pretrained_cfg` the
+    evaluation pipeline, so that timm's transform is mpp's: resize to cover size / crop_fraction,
+    centre-crop, normalise."""
     (image_h, image_w), patch = pair(config.image_size), pair(config.patch_size)
     if int(config.dim * (config.mlp_dim / config.dim)) != config.mlp_dim:  # timm's rule for the MLP width
         raise ValueError(f"timm cannot build an MLP of encoder.mlp_dim {config.mlp_dim} for encoder.dim {config.dim}")
@@ -190,6 +194,8 @@ def timm_config(config: ViTConfig, mean: Sequence[float], std: Sequence[float]) 
         "input_size": [config.channels, image_h, image_w],
         "fixed_input_size": True,
         "interpolation": "bilinear",  # as the shard pipeline resizes
+        "crop_pct": crop_fraction,  # without it timm crops 0.875
+        "crop_mode": "center",
         "mean": per_channel(mean, config.channels),
         "std": per_channel(std, config.channels),
         "num_classes": 0,
@@ -224,14 +230,22 @@ def hf_config(config: ViTConfig) -> dict[str, Any]:
     }
 
 
-def hf_preprocessor_config(config: ViTConfig, mean: Sequence[float], std: Sequence[float]) -> dict[str, Any]:
-    """transformers' `preprocessor_config.json`: resize, [0, 1], then our normalisation."""
+def hf_preprocessor_config(
+    config: ViTConfig, mean: Sequence[float], std: Sequence[float], crop_fraction: float = 1.0
+) -> dict[str, Any]:
+    """transformers' `preprocessor_config.json`, the shard pipeline's evaluation: the shorter side resized
+    to size / crop_fraction (the aspect kept), a centre crop, [0, 1], then our normalisation. (A ViT
+    processor would squash the whole image to size.) Colour images are converted to RGB for a 3-channel
+    encoder; a 1-channel encoder expects grey images, which the shard pipeline makes of any image."""
     height, width = pair(config.image_size)
     return {
-        "image_processor_type": "ViTImageProcessor",
+        "image_processor_type": "BitImageProcessor",
         "do_resize": True,
-        "size": {"height": height, "width": width},
+        "size": {"shortest_edge": math.floor(min(height, width) / crop_fraction)},  # as timm rounds it
         "resample": 2,  # bilinear, as the shard pipeline resizes
+        "do_center_crop": True,
+        "crop_size": {"height": height, "width": width},
+        "do_convert_rgb": config.channels == 3,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
@@ -310,14 +324,17 @@ def write_export(
     *,
     mean: Sequence[float],
     std: Sequence[float],
+    crop_fraction: float = 1.0,
     extras: Mapping[str, Tensor] | None = None,
     extra_config: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Write our encoder's `weights` as `layout`'s model.safetensors and config.json (and, for Hugging Face,
-    preprocessor_config.json) into `folder`; `extras` go in under `EXTRA_PREFIX`, `extra_config` into the
-    config under "mpp". Returns the files written."""
+    preprocessor_config.json) into `folder`, with the evaluation pipeline of images normalised by `mean` and
+    `std` after a centre crop of `crop_fraction` (data.eval_crop_fraction; 1.0, the whole image, as mpp's
+    frozen-encoder evaluations); `extras` go in under `EXTRA_PREFIX`, `extra_config` into the config under
+    "mpp". Returns the files written."""
     # The configs first: they refuse an encoder the layout cannot hold before any file is written.
-    configs = {"config.json": timm_config(config, mean, std) if layout == "timm" else hf_config(config)}
+    configs = {"config.json": timm_config(config, mean, std, crop_fraction) if layout == "timm" else hf_config(config)}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = to_layout(weights, layout)
@@ -325,7 +342,7 @@ def write_export(
     if extra_config:
         configs["config.json"]["mpp"] = dict(extra_config)
     if layout == "hf":
-        configs["preprocessor_config.json"] = hf_preprocessor_config(config, mean, std)
+        configs["preprocessor_config.json"] = hf_preprocessor_config(config, mean, std, crop_fraction)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})  # transformers reads "format"
     for name, content in configs.items():
         (folder / name).write_text(json.dumps(content, indent=2) + "\n")

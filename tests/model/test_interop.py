@@ -6,7 +6,9 @@ timm needs torchvision and its matching torch: its tests are marked `bench` (`ma
 
 from __future__ import annotations
 
+import io
 import json
+import random
 import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -18,8 +20,9 @@ from safetensors.torch import load_file, save_file
 from workspace import TESTS
 
 from mpp import ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViT, ViTConfig
+from mpp.data.transforms import ImageTransform
 from mpp.model import interop
-from mpp.model.checkpoint import load_encoder, read_checkpoint, read_export
+from mpp.model.checkpoint import encoder_and_normalisation, load_encoder, read_checkpoint, read_export
 from mpp.model.pixels import Normalise, pair
 
 TINY = ViTConfig(image_size=32, patch_size=8, channels=3, dim=32, depth=2, heads=2, mlp_dim=64)
@@ -88,6 +91,51 @@ def test_the_hf_preprocessor_normalises_as_the_checkpoint(tmp_path: Path) -> Non
     processed = processor(Image.fromarray(pixels.numpy()), return_tensors="pt")["pixel_values"]
     expected = Normalise(mean=MEAN, std=STD)(pixels.permute(2, 0, 1)[None].float() / 255)
     torch.testing.assert_close(processed, expected, atol=1e-6, rtol=0)
+
+
+def with_crop(tmp_path: Path, crop_fraction: float) -> str:
+    """The real checkpoint, its data module's evaluation crop set to `crop_fraction`."""
+    checkpoint = torch.load(REAL, weights_only=False, map_location="cpu")
+    checkpoint["datamodule_hyper_parameters"]["eval_crop_fraction"] = crop_fraction
+    torch.save(checkpoint, tmp_path / "crop.ckpt")
+    return str(tmp_path / "crop.ckpt")
+
+
+def raw_image() -> bytes:
+    """A 96 x 64 grey PNG: not the encoder's size nor its shape, so that resize and crop both matter."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    torch.manual_seed(2)
+    Image.fromarray(torch.randint(0, 256, (64, 96), dtype=torch.uint8).numpy()).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def mpp_representation(path: str, image: bytes) -> torch.Tensor:
+    """The class token mpp computes for an image file, through the shard pipeline's evaluation transform."""
+    ours, normalise = encoder_and_normalisation(path)
+    crop_fraction = read_checkpoint(path)["datamodule_hyper_parameters"]["eval_crop_fraction"]
+    transform = ImageTransform(size=pair(ours.config.image_size), channels=ours.config.channels, train=False,
+                               crop_fraction=crop_fraction)
+    pixels = torch.from_numpy(transform(image, random.Random(0)).copy()).permute(2, 0, 1)[None].float() / 255
+    with torch.no_grad():
+        return ours.eval()(normalise(pixels))
+
+
+@pytest.mark.parametrize("crop_fraction", [1.0, 0.875])
+def test_transformers_own_preprocessing_of_an_image_gives_mpps_representation(tmp_path: Path,
+                                                                              crop_fraction: float) -> None:
+    # The export's ViTImageProcessor squashed the whole image to the encoder's size where mpp crops its centre.
+    transformers = pytest.importorskip("transformers")
+    from PIL import Image
+
+    path = with_crop(tmp_path, crop_fraction)
+    assert export_main([path, "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "hf")
+    pixels = processor(Image.open(io.BytesIO(raw_image())), return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        theirs = hf_model(tmp_path / "hf")(pixel_values=pixels).last_hidden_state[:, 0]
+    torch.testing.assert_close(theirs, mpp_representation(path, raw_image()), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("layout", ["timm", "hf"])
@@ -292,6 +340,22 @@ def test_timm_loads_the_export_and_computes_our_encoder(tmp_path: Path, config: 
 
 
 @pytest.mark.bench
+@pytest.mark.bench
+@pytest.mark.parametrize("crop_fraction", [1.0, 0.875])
+def test_timms_own_transform_of_an_image_gives_mpps_representation(tmp_path: Path, crop_fraction: float) -> None:
+    # Without crop_pct in the export, timm cropped 0.875 of every image, where mpp evaluated the whole of it.
+    timm = pytest.importorskip("timm")
+    from PIL import Image
+
+    path = with_crop(tmp_path, crop_fraction)
+    assert export_main([path, "--format", "timm", "--out", str(tmp_path / "timm")]) == 0
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=theirs))
+    with torch.no_grad():
+        token = theirs(transform(Image.open(io.BytesIO(raw_image())))[None])
+    torch.testing.assert_close(token, mpp_representation(path, raw_image()), atol=1e-5, rtol=0)
+
+
 def test_a_timm_sized_encoder_is_exported_under_its_timm_name(tmp_path: Path) -> None:
     timm = pytest.importorskip("timm")
     config = ViTConfig(image_size=224, patch_size=16, channels=3, dim=192, depth=12, heads=3, mlp_dim=768)
