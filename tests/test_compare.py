@@ -16,7 +16,7 @@ def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
     env = environment()
     result = subprocess.run(
         [sys.executable, "tools/compare.py", "--pretrain-steps", "2", "--steps", "3", "--out", str(tmp_path),
-         "--train", "shards/fashion-mnist/train-000000.tar", "--shots", "1", "5"],
+         "--train", "shards/fashion-mnist/train-000000.tar", "--shots", "1", "5", "--frozen-train", "300"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]

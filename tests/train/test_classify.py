@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import inspect
 import pickle
-import subprocess
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -14,7 +12,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
-from workspace import ROOT, environment
 
 from mpp import ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViTConfig
 from mpp.model.checkpoint import load_encoder
@@ -192,35 +189,6 @@ def test_a_fit_on_unlabelled_batches_stops_before_the_first_step(tmp_path):
     with pytest.raises(ValueError, match=r"\.cls"):
         trainer.fit(classifier(), DataLoader(data, batch_size=4))
     assert trainer.global_step == 0
-
-
-@pytest.mark.parametrize("arm", ["finetune", "scratch"])
-def test_demo_configs_fit_from_the_command_line(tmp_path, arm):
-    overrides = []
-    if arm == "finetune":  # a stand-in for the demo's pretraining run, with the demo's encoder
-        demo = ViTConfig(image_size=28, patch_size=4, channels=1, dim=128, depth=4, heads=4, mlp_dim=512)
-        pretraining_checkpoint(tmp_path / "mpp.ckpt", demo)
-        overrides = ["--model.init_args.pretrained", str(tmp_path / "mpp.ckpt")]
-    env = environment()
-    command = [
-        sys.executable, "-m", "mpp.cli", "fit", "--config", f"configs/{arm}/demo.yaml", *overrides,
-        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-        "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.enable_progress_bar", "false",
-        "--trainer.default_root_dir", str(tmp_path / "run"),
-    ]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ImageClassifier" in result.stdout + result.stderr
-    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert saved["global_step"] == 2 and saved["encoder_config"]["dim"] == 128
-    assert saved["hyper_parameters"]["pretrained"] == (str(tmp_path / "mpp.ckpt") if arm == "finetune" else None)
-    if arm == "scratch":  # the test set, per class, from the checkpoint
-        command[3] = "test"
-        tested = subprocess.run([*command, "--ckpt_path", str(tmp_path / "run" / "checkpoints" / "last.ckpt"),
-                                 "--trainer.limit_test_batches", "2"], cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=600)
-        assert tested.returncode == 0, tested.stderr[-3000:]
-        assert "test/accuracy/Ankle boot" in tested.stdout and "test/accuracy/T-shirt/top" in tested.stdout
 
 
 class _RunsCode:

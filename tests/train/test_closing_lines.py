@@ -41,13 +41,15 @@ def test_a_model_setting_given_with_a_checkpoint_is_applied_and_said(tmp_path: P
 
 
 def test_a_run_without_wandb_or_configured_checkpoints_says_where_its_checkpoint_is(tmp_path: Path) -> None:
-    # Lightning's own checkpoint callback, with W&B disabled: the header said "checkpoints in none" and the
-    # last line named a W&B folder that was never written.
+    # Lightning's own checkpoint callback, with W&B disabled: the header said "checkpoints in none", the
+    # last line named a W&B folder that was never written, and `--ckpt_path last` with nothing to resume
+    # from started at step 0 with Lightning's warning alone.
     code, lines = mpp("fit", "--config", DEMO, "--trainer.callbacks", "null", "--trainer.max_steps", "2",
-                      "--trainer.val_check_interval", "2", root=tmp_path, WANDB_MODE="disabled")
+                      "--trainer.val_check_interval", "2", "--ckpt_path", "last", root=tmp_path, WANDB_MODE="disabled")
     assert code == 0, lines
     folder = tmp_path / "checkpoints"
     assert f"mpp: run folder {tmp_path}; checkpoints in {folder}" in lines
+    assert f"mpp: --ckpt_path last: no checkpoint in {folder}: the run starts at step 0" in lines
     assert "mpp: W&B disabled (WANDB_MODE=disabled): the run logs nothing to W&B" in lines
     (written,) = folder.glob("*.ckpt")  # Lightning's name: no last.ckpt, so `--ckpt_path last` would find nothing
     assert lines[-1] == f"mpp: checkpoint {written} (resume with --ckpt_path {written})"
@@ -70,11 +72,8 @@ def test_a_run_stopped_by_sigterm_says_how_to_go_on(tmp_path: Path, stop_at: int
     assert lines[-1] == "mpp: stopped by SIGTERM; " + said.format(folder=tmp_path / "run" / "checkpoints")
 
 
-def test_ckpt_path_last_without_a_checkpoint_says_so(tmp_path: Path) -> None:
-    code, lines = mpp("fit", "--config", DEMO, "--ckpt_path", "last", "--trainer.max_steps", "1", root=tmp_path,
-                      WANDB_MODE="disabled")
-    assert code == 0, lines
-    assert f"mpp: --ckpt_path last: no checkpoint in {tmp_path / 'checkpoints'}: the run starts at step 0" in lines
+def test_evaluating_ckpt_path_last_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    # Lightning evaluated the freshly initialised model instead, with a warning.
     code, lines = mpp("validate", "--config", DEMO, "--ckpt_path", "last", root=tmp_path / "empty",
                       WANDB_MODE="disabled")
     assert code == 2
