@@ -67,16 +67,33 @@ class ThroughputMonitor(pl.Callback):
 
 
 class ProgressBar(TQDMProgressBar):
-    """Lightning's progress bar, showing the `train/...` metrics as of the last logging step.
+    """Lightning's progress bar, counting the run's steps: the global step out of `max_steps`, and
+    the time left at the rate of the steps this process ran (validation included), so that a resumed
+    run starts at its step and plans by its own pace. Without `max_steps` it counts each epoch's
+    batches, as Lightning's does.
 
-    Lightning turns progress-bar metrics into Python numbers after every step, a host-device
-    sync each time; mpp's modules log training metrics without `prog_bar` and this bar reads
-    them only when they are logged anyway.
+    It shows the `train/...` metrics as of the last logging step: Lightning turns progress-bar
+    metrics into Python numbers after every step, a host-device sync each time; mpp's modules log
+    training metrics without `prog_bar` and this bar reads them only when they are logged anyway.
     """
 
     def __init__(self, refresh_rate: int = 1) -> None:
         super().__init__(refresh_rate=refresh_rate)
         self.shown: dict[str, str] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.max_steps >= 1:  # from the step it starts at (a resumed run's, mid-epoch too) to max_steps
+            bar = self.train_progress_bar
+            bar.reset(total=trainer.max_steps)
+            bar.initial = bar.n = trainer.global_step
+            bar.set_description(f"Epoch {trainer.current_epoch}, steps")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.max_steps < 1:
+            super().on_train_epoch_start(trainer, *args)
+        else:  # not called for the epoch a run resumes in the middle of
+            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}, steps")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -87,7 +104,13 @@ class ProgressBar(TQDMProgressBar):
                 for name, value in trainer.callback_metrics.items()
                 if name.startswith("train/") and name != "train/lr"
             }
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.max_steps < 1:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        bar, step = self.train_progress_bar, trainer.global_step
+        if self._should_update(step, bar.total) and not bar.disable:
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
 
     def get_metrics(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule

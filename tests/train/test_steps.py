@@ -169,3 +169,28 @@ def test_the_learning_rate_follows_the_global_batch(tmp_path: Path) -> None:
     assert sqrt.lr_factor(16) == pytest.approx(2.0) and OptimizerConfig(name="sgd", lr=0.1).lr_factor(16) == 1.0
     with pytest.raises(ValueError, match="global batch is unknown"):
         config.lr_factor(None)
+
+
+class BarWatch(pl.Callback):
+    """The training bar's (count, total, start) after each step."""
+
+    def __init__(self, bar: ProgressBar) -> None:
+        self.bar, self.seen = bar, []
+
+    def on_train_batch_end(self, *args: object) -> None:
+        progress = self.bar.train_progress_bar
+        self.seen.append((progress.n, progress.total, progress.initial))
+
+
+def test_the_progress_bar_counts_the_runs_steps_across_epochs_and_a_resume(tmp_path: Path) -> None:
+    bar = ProgressBar()
+    watch = BarWatch(bar)
+    first = trainer(tmp_path, max_steps=6, callbacks=[bar, watch], enable_progress_bar=True, enable_checkpointing=True)
+    first.fit(module(), loader(32))  # 4 batches an epoch: the run's steps, not the epoch's batches
+    assert watch.seen == [(step, 6, 0) for step in range(1, 7)]
+    (checkpoint,) = tmp_path.rglob("*.ckpt")  # at step 6, in the middle of the second epoch
+    bar = ProgressBar()
+    watch = BarWatch(bar)
+    resumed = trainer(tmp_path, max_steps=8, callbacks=[bar, watch], enable_progress_bar=True)
+    resumed.fit(module(), loader(32), ckpt_path=checkpoint)
+    assert watch.seen == [(step, 8, 6) for step in (7, 8)]  # from the step it resumes at
