@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from mpp.config import register_parser_mode
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
-from mpp.data.module import ShardDataModule
+from mpp.data.module import ShardDataModule, listed_classes_of
 from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.precision import run_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
@@ -81,6 +81,7 @@ class MPPCLI(LightningCLI):
         config.trainer.precision, why = run_precision(config.trainer.precision, config.trainer.accelerator)
         self.precision_note = f" ({why})" if why else ""
         place_run_outputs(config)
+        self.class_lines = fill_classes(config, self.subcommand)
         flush_records_often()
         if self.subcommand == "fit":  # validate and test log runs of their own
             continue_checkpointed_run(config)
@@ -147,6 +148,7 @@ class MPPCLI(LightningCLI):
         quiet_wandb(self.trainer.loggers)
 
     def before_fit(self) -> None:
+        self._check_data("fit")
         note = getattr(self, "precision_note", "")
         self.trainer.print(redact(run_summary(self.trainer, self.model, self.datamodule, precision_note=note)))
         self._say_overrides()
@@ -162,6 +164,7 @@ class MPPCLI(LightningCLI):
         self._before_evaluation()
 
     def _before_evaluation(self) -> None:
+        self._check_data(self.subcommand or "")
         if self._wants_last() and not last_checkpoints(self.trainer):
             folders = folders_of(self.trainer)
             raise ConfigError(f"--ckpt_path last: no last checkpoint in {folders}; give the checkpoint's path")
@@ -185,8 +188,15 @@ class MPPCLI(LightningCLI):
         if "asked for" in note:
             self.trainer.print(f"mpp: precision {self.trainer.precision}{note}")
 
+    def _check_data(self, stage: str) -> None:
+        """The data module's checks, before the trainer starts its loggers (a W&B run) or workers."""
+        try:
+            self.datamodule.check(stage, encoder=getattr(self.model, "encoder_config", None))
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+
     def _say_overrides(self) -> None:
-        for line in getattr(self, "override_lines", []):
+        for line in [*getattr(self, "class_lines", []), *getattr(self, "override_lines", [])]:
             self.trainer.print(redact(line))
 
     def after_fit(self) -> None:
@@ -211,6 +221,33 @@ def place_run_outputs(config: Any) -> None:
             and callback.init_args.get("dirpath") is None
         ):
             callback.init_args.dirpath = str(Path(root) / "checkpoints")
+
+
+def fill_classes(config: Any, subcommand: str | None) -> list[str]:
+    """A classifier's `num_classes` and `class_names`, where the config sets neither, from the index of
+    the shards the subcommand reads (train for fit, val for validate, test for test); the line that
+    says so. A config that names other classes than the index is refused, naming both."""
+    init = getattr(config.model, "init_args", None)
+    split = {"fit": "train", "validate": "val", "test": "test"}.get(subcommand or "")
+    spec = None if split is None else config.data.get(split)
+    if init is None or "num_classes" not in init or spec is None:
+        return []
+    listed = listed_classes_of(spec, allow_pipe=bool(config.data.get("allow_pipe")))
+    if listed is None:
+        return []
+    classes, index = listed
+    number, names = init.num_classes, init.class_names
+    if number is None and names is None:
+        init.num_classes, init.class_names = len(classes), list(classes)
+        return [f"mpp: {len(classes)} classes from {index}: {', '.join(classes)}"]
+    if (number is not None and number != len(classes)) or (names is not None and list(names) != classes):
+        raise ConfigError(
+            f"model.init_args.num_classes={number} and class_names={names} are not the {len(classes)} classes "
+            f"{index} lists ({', '.join(classes)}): set both to null to take the index's, or name shards of "
+            f"these classes in data.{split}"
+        )
+    init.num_classes, init.class_names = len(classes), list(classes)
+    return []
 
 
 def model_keys(argv: list[str]) -> list[str]:

@@ -54,6 +54,11 @@ def test_every_config_loads(config):
     elif config.parent.name == "trainer":  # a hardware preset goes before a run config
         resolved = yaml.safe_load(print_config("--config", str(config), "--config", str(DEMO)))
         assert resolved["model"]["class_path"] == "mpp.MaskedPatchPretraining"
+    elif config.parent.name == "data":  # an overlay of one's own shards goes after a run config
+        resolved = yaml.safe_load(print_config("--config", str(DEMO), "--config", str(config)))
+        own = read_config(config)
+        assert {key: resolved["data"][key] for key in own["data"]} == own["data"]
+        assert resolved["model"]["init_args"]["encoder"]["channels"] == own["model"]["init_args"]["encoder"]["channels"]
     else:
         resolved = yaml.safe_load(print_config("--config", str(config)))
         assert resolved["model"]["init_args"]["encoder"]["patch_size"] >= 1

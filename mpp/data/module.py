@@ -42,7 +42,9 @@ from mpp.errors import ConfigError
 from mpp.model.pixels import pair
 from mpp.model.vit import ViTConfig
 from mpp.secrets import redact, redact_tree
+from mpp.shards.format import ShardError
 from mpp.shards.images import DEFAULT_MAX_PIXELS
+from mpp.shards.inspector import listed_classes
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,7 @@ class ShardDataModule(pl.LightningDataModule):
         if encoder is None and self.trainer is not None:
             encoder = getattr(self.trainer.lightning_module, "encoder_config", None)
         size, channels = self._fit_the_encoder(encoder)
+        splits = self._expand(stage)
         scale, ratio, hflip = self._augment
         self.train_transform = ImageTransform(
             size=size, channels=channels, train=True, scale=scale, ratio=ratio, hflip=hflip, max_pixels=self._max_pixels
@@ -203,18 +206,6 @@ class ShardDataModule(pl.LightningDataModule):
             crop_fraction=self._eval_crop_fraction,
             max_pixels=self._max_pixels,
         )
-        required = {"fit": "train", "validate": "val", "test": "test"}.get(stage or "")
-        if required is not None and self.specs[required] is None:
-            raise ValueError(f"stage {stage!r} needs shards for {required!r}: set data.{required}")
-        splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage or "", self.specs)
-        for split in splits:
-            spec = self.specs[split]
-            if spec is not None:
-                try:
-                    self.urls[split] = expand_urls(spec, allow_pipe=self.allow_pipe)
-                    check_repeated(split, self.urls[split])
-                except (OSError, ValueError) as error:
-                    raise ConfigError(redact(f"data.{split}: {error}")) from error
         train = self.urls.get("train")
         if train is not None and self.world_size > 1 and not self.resampled:
             log.warning(
@@ -231,6 +222,29 @@ class ShardDataModule(pl.LightningDataModule):
                 len(train),
                 self.world_size,
             )
+
+    def check(self, stage: str | None = None, *, encoder: ViTConfig | None = None) -> None:
+        """What setup would refuse, found before a run starts (and before its loggers do): images whose
+        size or channels differ from the encoder's, a split the stage needs and is not given, shards
+        that do not exist or are named twice."""
+        self._fit_the_encoder(encoder)
+        self._expand(stage)
+
+    def _expand(self, stage: str | None) -> tuple[str, ...]:
+        """Expand and check the shards of the splits a stage reads; those splits."""
+        required = {"fit": "train", "validate": "val", "test": "test"}.get(stage or "")
+        if required is not None and self.specs[required] is None:
+            raise ValueError(f"stage {stage!r} needs shards for {required!r}: set data.{required}")
+        splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage or "", tuple(self.specs))
+        for split in splits:
+            spec = self.specs[split]
+            if spec is not None and split not in self.urls:  # once: check() may have done it
+                try:
+                    self.urls[split] = expand_urls(spec, allow_pipe=self.allow_pipe)
+                    check_repeated(split, self.urls[split])
+                except (OSError, ValueError) as error:
+                    raise ConfigError(redact(f"data.{split}: {error}")) from error
+        return splits
 
     def _fit_the_encoder(self, encoder: ViTConfig | None) -> tuple[tuple[int, int], int]:
         """(H, W) and channels of the images: as set, else the encoder's; a mismatch is an error."""
@@ -330,6 +344,23 @@ class ShardDataModule(pl.LightningDataModule):
             return None
         strategy = self.trainer.strategy
         return lambda has_batch: strategy.reduce_boolean_decision(has_batch, all=False)
+
+
+def run_shards(trainer: pl.Trainer) -> dict[str, ShardSpec | None]:
+    """The shards a trainer's run reads, by split (none where its data is not a ShardDataModule):
+    what evaluation callbacks read when they are not given shards of their own."""
+    data = getattr(trainer, "datamodule", None)
+    return dict(data.specs) if isinstance(data, ShardDataModule) else {}
+
+
+def listed_classes_of(spec: ShardSpec, *, allow_pipe: bool = False) -> tuple[list[str], str] | None:
+    """The class names the shard index (the sidecar beside mpp's shards) of a split lists, and the
+    sidecar's path; None where none lists them."""
+    try:
+        listed = listed_classes(expand_urls(spec, allow_pipe=allow_pipe))
+    except (OSError, ValueError, ShardError) as error:
+        raise ConfigError(redact(str(error))) from error
+    return None if listed is None else (listed[0], str(listed[1][0]))
 
 
 def _gather_ranks(value: Any) -> list[Any]:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import braceexpand
 
+from mpp.shards.images import IMAGE_EXTENSIONS
+
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
 log = logging.getLogger("mpp")
 
@@ -77,6 +79,11 @@ def folder_patterns(folder: str) -> str:
     for name in sorted(os.listdir(folder)):
         if match := re.fullmatch(r"(.*?)(\d+)(\.tar|\.tar\.gz|\.tgz)", name):
             runs.setdefault((match.group(1), match.group(3)), []).append(match.group(2))
+    if not runs and holds_images(folder):
+        return (
+            f"it holds images, not shards: write shards from them with "
+            f"`python tools/make_shards.py folder {folder} --out shards/<name> --holdout 0.1` and give those"
+        )
     if not runs:
         return "it holds no numbered .tar shards; give a path, a brace pattern or a glob of tar files"
     base = folder.rstrip("/")
@@ -91,6 +98,14 @@ def folder_patterns(folder: str) -> str:
         else:
             patterns.append(f"'{base}/{prefix}*{suffix}'")
     return "give its shards as a pattern, e.g. " + " or ".join(patterns)
+
+
+def holds_images(folder: str) -> bool:
+    """Whether a folder holds image files, itself or in its sub-folders (the class folders of a labelled set)."""
+    for _, _, names in os.walk(folder):
+        if any(os.path.splitext(name)[1].lower().lstrip(".") in IMAGE_EXTENSIONS for name in names):
+            return True
+    return False
 
 
 def _relative(path: str) -> str:

@@ -24,7 +24,7 @@ from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
-from mpp.data.module import ShardDataModule, ShardSpec
+from mpp.data.module import ShardDataModule, ShardSpec, run_shards
 from mpp.eval.figures import encoder_figures
 from mpp.model.pixels import Size2d, to_unit_range
 from mpp.model.vit import Block, ViT, ViTConfig
@@ -256,7 +256,8 @@ class EncoderAnalysis(pl.Callback):
 
     Args:
         images: shards the attention is measured on (labels, if any, are ignored), read with the
-            evaluation transform at the encoder's size and channels, in shard order.
+            evaluation transform at the encoder's size and channels, in shard order; null (the
+            default): the run's `data.val` (or `data.test`, else `data.train`).
         num_images: images read (the first of the shards), and averaged over.
         every_n_steps: how often to analyse.
         components: principal components of the patch filters drawn.
@@ -267,7 +268,7 @@ class EncoderAnalysis(pl.Callback):
     def __init__(
         self,
         *,
-        images: ShardSpec,
+        images: ShardSpec | None = None,
         num_images: int = DEFAULTS.num_images,
         every_n_steps: int = DEFAULTS.every_n_steps,
         components: int = DEFAULTS.components,
@@ -285,7 +286,8 @@ class EncoderAnalysis(pl.Callback):
                 raise ValueError(f"EncoderAnalysis.{name} must be at least 1, got {value}")
         self.num_images, self.every_n_steps = num_images, every_n_steps
         self.components, self.map_images, self.batch_size = components, map_images, batch_size
-        self.data = analysis_data(images, batch_size=batch_size)
+        self.given = images
+        self.data: ShardDataModule | None = None
         self.images: Tensor | None = None  # read once, at the first analysis
         self.last_step: int | None = None
         self.history: dict[int, dict[str, Any]] = {}
@@ -296,6 +298,13 @@ class EncoderAnalysis(pl.Callback):
                 "EncoderAnalysis runs the encoder on rank zero alone, which FSDP's sharded "
                 "weights do not allow: use DDP or remove the callback"
             )
+        run = run_shards(trainer)
+        images = self.given or run.get("val") or run.get("test") or run.get("train")
+        if images is None:
+            raise ValueError(
+                "EncoderAnalysis: the run has no data.val, data.test or data.train: give EncoderAnalysis.images"
+            )
+        self.data = analysis_data(images, batch_size=self.batch_size)
         try:  # the images take the size and channels of the module's encoder
             self.data.setup(rank=0, world_size=1, encoder=getattr(pl_module, "encoder_config", None))
         except ValueError as error:
@@ -304,6 +313,8 @@ class EncoderAnalysis(pl.Callback):
     def analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Analysis:
         """Analyse the current encoder; write, log and remember the results."""
         step = trainer.global_step
+        if self.data is None:
+            raise RuntimeError("EncoderAnalysis.analyse before setup")
         if self.images is None:
             self.images = read_images(self.data, self.num_images)
         encoder, normalise = cast(ViT, pl_module.encoder), cast(nn.Module, pl_module.normalise)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
-from mpp.data.module import ShardDataModule, ShardSpec
+from mpp.data.module import ShardDataModule, ShardSpec, listed_classes_of, run_shards
 from mpp.eval.knn import knn_accuracy
 from mpp.eval.linear import DEFAULTS, fewshot_evaluation, linear_probe
 from mpp.model.checkpoint import encoder_and_normalisation
@@ -142,9 +142,12 @@ class FewShotEvaluation(pl.Callback):
     The defaults are DEFAULTS (FewShotSettings), which evaluate_checkpoint and tools/fewshot.py share.
 
     Args:
-        train: labelled shards the n-shot examples are drawn from.
-        test: labelled shards the accuracy is measured on.
-        num_classes: K.
+        train: labelled shards the n-shot examples are drawn from; null (the default): the run's
+            `data.train`.
+        test: labelled shards the accuracy is measured on; null: the run's `data.val` (or
+            `data.test` where there is no val).
+        num_classes: K; null: the number of classes the shards' index lists, else the largest
+            label read plus one.
         image_size: the images' size; null (the default): the module's encoder's. A size that
             differs from the encoder's is an error naming both.
         channels: 1 or 3; null: the encoder's, and checked like image_size.
@@ -167,9 +170,9 @@ class FewShotEvaluation(pl.Callback):
     def __init__(
         self,
         *,
-        train: ShardSpec,
-        test: ShardSpec,
-        num_classes: int,
+        train: ShardSpec | None = None,
+        test: ShardSpec | None = None,
+        num_classes: int | None = None,
         image_size: int | tuple[int, int] | None = None,
         channels: int | None = None,
         shots: Sequence[int] = DEFAULTS.shots,
@@ -190,10 +193,6 @@ class FewShotEvaluation(pl.Callback):
             raise ValueError(f"FewShotEvaluation.every_n_steps must be at least 1, got {every_n_steps}")
         if not shots or min(shots) < 1:
             raise ValueError(f"FewShotEvaluation.shots must be positive counts, got {list(shots)}")
-        if max_train < num_classes * max(shots):
-            raise ValueError(
-                f"FewShotEvaluation.max_train={max_train} cannot hold {max(shots)} shots of {num_classes} classes"
-            )
         if knn_k < 1 or knn_temperature <= 0:
             raise ValueError(
                 f"FewShotEvaluation.knn_k must be at least 1 and knn_temperature positive, got {knn_k} and {knn_temperature}"
@@ -207,15 +206,16 @@ class FewShotEvaluation(pl.Callback):
         self.knn_k, self.knn_temperature = knn_k, knn_temperature
         self.probe_l2s, self.probe_held_out = tuple(probe_l2s), probe_held_out
         self.every_n_steps, self.max_train, self.max_test = every_n_steps, max_train, max_test
-        self.data = fewshot_data(
-            train,
-            test,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            eval_crop_fraction=eval_crop_fraction,
-            image_size=image_size,
-            channels=channels,
-        )
+        self._check_classes(num_classes)
+        self.specs = {"train": train, "test": test}
+        self._data_settings: dict[str, Any] = {
+            "batch_size": batch_size,
+            "num_workers": num_workers,
+            "eval_crop_fraction": eval_crop_fraction,
+            "image_size": image_size,
+            "channels": channels,
+        }
+        self.data: ShardDataModule | None = None
         self.last_step: int | None = None
         self.history: dict[int, FrozenScores] = {}
 
@@ -225,23 +225,55 @@ class FewShotEvaluation(pl.Callback):
                 "FewShotEvaluation runs the encoder on rank zero alone, which FSDP's sharded "
                 "weights do not allow: use DDP or remove the callback"
             )
+        train, test = self._shards(trainer)
+        if self.num_classes is None:
+            listed = listed_classes_of(train)
+            self._check_classes(None if listed is None else len(listed[0]))
+        self.data = fewshot_data(train, test, **self._data_settings)
         try:  # checked against, and completed from, the module's encoder, as the run's own data is
             self.data.setup(rank=0, world_size=1, encoder=getattr(pl_module, "encoder_config", None))
         except ValueError as error:
             raise ValueError(f"FewShotEvaluation: {error}".replace("data.", "FewShotEvaluation.")) from None
 
+    def _shards(self, trainer: pl.Trainer) -> tuple[ShardSpec, ShardSpec]:
+        """The shards given, else the run's own: its training shards, and its validation (or test) shards."""
+        run = run_shards(trainer)
+        train = self.specs["train"] or run.get("train")
+        test = self.specs["test"] or run.get("val") or run.get("test")
+        if train is None or test is None:
+            raise ValueError(
+                "FewShotEvaluation: the run has no data.train and data.val (or data.test) to evaluate on: "
+                "give FewShotEvaluation.train and .test"
+            )
+        return train, test
+
+    def _check_classes(self, num_classes: int | None) -> None:
+        """Keep K (None: from the labels read); the n-shot draws need max(shots) of each class."""
+        if num_classes is not None and self.max_train < num_classes * max(self.shots):
+            raise ValueError(
+                f"FewShotEvaluation.max_train={self.max_train} cannot hold {max(self.shots)} shots of {num_classes} classes"
+            )
+        self.num_classes = num_classes
+
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FrozenScores:
         """Extract both feature sets with the current encoder, score every n, k-NN and the probe on them; log the scores."""
         step = trainer.global_step
+        if self.data is None:
+            raise RuntimeError("FewShotEvaluation.evaluate before setup")
         with trainer.precision_plugin.forward_context():
             features, labels = self._features(pl_module, self.data.val_dataloader(), self.max_train)
             test_features, test_labels = self._features(pl_module, self.data.test_dataloader(), self.max_test)
+        if labels.min() < 0 or test_labels.min() < 0:
+            shards = ", ".join(str(spec) for spec in self.data.specs.values())
+            raise ValueError(f"FewShotEvaluation: {shards} hold unlabelled samples: give it labelled shards (.cls)")
+        if self.num_classes is None:
+            self._check_classes(int(max(labels.max(), test_labels.max())) + 1)
         scores = score_features(
             features,
             labels,
             test_features,
             test_labels,
-            num_classes=self.num_classes,
+            num_classes=cast(int, self.num_classes),
             shots=self.shots,
             seeds=self.seeds,
             l2=self.l2,

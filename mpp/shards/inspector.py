@@ -152,3 +152,24 @@ def inspect_shards(specs: Sequence[str], verify: bool = False) -> Inspection:
         if sum(s["samples"] for s in sidecar["shards"]) != sidecar["samples"]:
             report.problems.append(f"{path}: shard counts do not add up to samples={sidecar['samples']}")
     return report
+
+
+def listed_classes(urls: Sequence[str]) -> tuple[list[str], list[Path]] | None:
+    """The class names the sidecars of these shards list, and those sidecars: for local shards named
+    like mpp's (`train-000003.tar` finds `train.json`). None where no sidecar lists classes (other
+    tools' tars, URLs); sidecars that list different classes are an error naming both."""
+    found: dict[Path, list[str]] = {}
+    for url in urls:
+        match = SHARD_NAME.fullmatch(Path(url).name) if "://" not in url and not url.startswith("pipe:") else None
+        candidate = Path(url).parent / sidecar_name(match["prefix"]) if match else None
+        if candidate is not None and candidate not in found and candidate.is_file():
+            classes = _load_sidecar(candidate).get("classes")
+            if classes is not None:
+                found[candidate] = list(classes)
+    if not found:
+        return None
+    (first, classes), *others = found.items()
+    for path, other in others:
+        if other != classes:
+            raise ShardError(f"{first} lists classes {classes} and {path} lists {other}: name shards of one labelling")
+    return classes, list(found)

@@ -27,7 +27,8 @@ class ImageClassifier(EncoderModule):
 
     Args:
         encoder: the ViT architecture, at the fine-tuning image size.
-        num_classes: K, the head's outputs; labels must lie in [0, K).
+        num_classes: K, the head's outputs; labels must lie in [0, K). null: as many as class_names
+            names (`mpp` fills both from the index of the shards it reads where the config sets neither).
         optimizer: optimiser and schedule (fine-tuning: SGD, momentum 0.9; from scratch: Adam,
             weight decay 0.3).
         pretrained: a checkpoint of MaskedPatchPretraining (or ImageClassifier), or a timm or
@@ -50,8 +51,8 @@ class ImageClassifier(EncoderModule):
         self,
         *,
         encoder: ViTConfig,
-        num_classes: int,
         optimizer: OptimizerConfig,
+        num_classes: int | None = None,
         pretrained: str | None = None,
         pixel_mean: Sequence[float] = (0.5,),
         pixel_std: Sequence[float] = (0.5,),
@@ -62,10 +63,19 @@ class ImageClassifier(EncoderModule):
         # Plain data: EncoderModule records this frame's arguments as the hyperparameters.
         encoder, optimizer = plain(encoder, ViTConfig), plain(optimizer, OptimizerConfig)  # type: ignore[assignment]
         pixel_mean, pixel_std = list(pixel_mean), list(pixel_std)
-        if num_classes < 2:
+        if num_classes is None and class_names is None:
+            raise ValueError(
+                "num_classes is unset and no shard index lists the classes: set model.init_args.num_classes "
+                "(and class_names), or write the shards with tools/make_shards.py, whose index lists them"
+            )
+        num_classes = len(class_names) if num_classes is None and class_names is not None else num_classes
+        if num_classes is None or num_classes < 2:
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")
         if class_names is not None and len(class_names) != num_classes:
-            raise ValueError(f"class_names has {len(class_names)} names for num_classes={num_classes}")
+            raise ValueError(
+                f"class_names has {len(class_names)} names for num_classes={num_classes}: give "
+                f"model.init_args.class_names {num_classes} names, or null to name the classes 0 to {num_classes - 1}"
+            )
         super().__init__(encoder, optimizer, pixel_mean, pixel_std, nonfinite_loss)
         self.num_classes = num_classes
         self.class_names = list(class_names) if class_names is not None else [str(k) for k in range(num_classes)]

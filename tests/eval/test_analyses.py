@@ -323,9 +323,14 @@ def test_the_callback_analyses_the_encoder_during_a_fit_without_wandb(tmp_path):
         callback.history[3]["attention_distance"]["per_block"][1])
 
 
-def test_the_callback_refuses_images_of_another_size_than_the_encoders():
-    callback = EncoderAnalysis(images="x.tar")
-    callback.data.image_size = (32, 32)
+def test_the_callback_analyses_the_runs_validation_images_unless_given_its_own(tmp_path):
+    images, unlabelled = noise_shards(tmp_path / "val"), noise_shards(tmp_path / "train")
     model = MaskedPatchPretraining(encoder=TINY, optimizer=OptimizerConfig(name="adamw", lr=1e-3))
-    with pytest.raises(ValueError, match="EncoderAnalysis: EncoderAnalysis.image_size=32"):
-        callback.setup(pl.Trainer(accelerator="cpu", logger=False), model, "fit")
+    callback = EncoderAnalysis(num_images=2, map_images=1, batch_size=2)
+    data = ShardDataModule(train=unlabelled, val=images, batch_size=2, num_workers=0, shuffle_buffer=0)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[callback], limit_val_batches=0,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, data)
+    assert callback.data.specs["val"] == images and sorted(callback.history) == [1]
+    with pytest.raises(ValueError, match="the run has no data.val, data.test or data.train: give EncoderAnalysis.images"):
+        EncoderAnalysis().setup(pl.Trainer(accelerator="cpu", logger=False), model, "fit")
