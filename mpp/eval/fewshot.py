@@ -5,6 +5,7 @@ training, and evaluate_checkpoint for any mpp checkpoint.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -21,6 +22,8 @@ from mpp.model.checkpoint import encoder_and_normalisation
 from mpp.model.pixels import to_unit_range
 from mpp.model.vit import ViT
 from mpp.precision import run_precision
+
+log = logging.getLogger("mpp")
 
 
 def fewshot_data(
@@ -217,6 +220,7 @@ class FewShotEvaluation(pl.Callback):
         }
         self.data: ShardDataModule | None = None
         self.last_step: int | None = None
+        self.said_shots = False
         self.history: dict[int, FrozenScores] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -274,7 +278,7 @@ class FewShotEvaluation(pl.Callback):
             test_features,
             test_labels,
             num_classes=cast(int, self.num_classes),
-            shots=self.shots,
+            shots=self._servable(labels),
             seeds=self.seeds,
             l2=self.l2,
             knn_k=self.knn_k,
@@ -287,6 +291,26 @@ class FewShotEvaluation(pl.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(scores.metrics(), step=step)
         return scores
+
+    def _servable(self, labels: Tensor) -> tuple[int, ...]:
+        """The shots every class has examples for among the labels read; the others are left out, said once."""
+        fewest = int(torch.bincount(labels, minlength=cast(int, self.num_classes)).min())
+        served = tuple(n for n in self.shots if n <= fewest)
+        if not served:
+            raise ValueError(
+                f"FewShotEvaluation: a class has {fewest} examples among the {len(labels)} training samples read, "
+                f"fewer than {min(self.shots)} shots: give more training samples (max_train), shards that mix "
+                "the classes, or fewer shots"
+            )
+        if served != self.shots and not self.said_shots:
+            log.warning(
+                "FewShotEvaluation: a class has %d examples among the %d training samples read: %s-shot left out",
+                fewest,
+                len(labels),
+                "/".join(str(n) for n in self.shots if n not in served),
+            )
+            self.said_shots = True
+        return served
 
     @staticmethod
     def _features(

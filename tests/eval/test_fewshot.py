@@ -210,18 +210,21 @@ def test_the_callback_the_function_and_the_tool_share_one_set_of_defaults():
     assert {name: options[name] for name in wanted} == {**wanted, **lists}
 
 
-def test_the_callback_evaluates_on_the_runs_own_shards_unless_given_others(tmp_path):
+def test_the_callback_evaluates_on_the_runs_own_shards_unless_given_others(tmp_path, caplog):
     train = labelled_shards(tmp_path / "shards", "train", 48)
     val = labelled_shards(tmp_path / "shards", "val", 30)
     encoder = ViTConfig(image_size=16, patch_size=4, dim=32, depth=1, heads=2, mlp_dim=64)
     model = MaskedPatchPretraining(encoder=encoder, optimizer=OptimizerConfig(name="adamw", lr=1e-3))
-    callback = FewShotEvaluation(shots=(1, 2), seeds=2, every_n_steps=5, max_train=30, max_test=30, batch_size=16)
+    callback = FewShotEvaluation(shots=(1, 2, 20), seeds=2, every_n_steps=5, max_train=60, max_test=30, batch_size=16)
     data = ShardDataModule(train=train, val=val, batch_size=8, num_workers=0, shuffle_buffer=0)
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[callback], limit_val_batches=0,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(model, data)
     assert callback.data.specs == {"train": None, "val": train, "test": val}  # read as its val and test splits
-    assert callback.num_classes == 3 and callback.history[1].train == 30 and callback.history[1].test == 30
+    assert callback.num_classes == 3 and callback.history[1].train == 48 and callback.history[1].test == 30
+    # 16 of each class: the shots they serve, the others left out and said once
+    assert list(callback.history[1].fewshot) == [1, 2] and list(callback.history[0].fewshot) == [1, 2]
+    assert caplog.text.count("a class has 16 examples among the 48 training samples read: 20-shot left out") == 1
     unlabelled = FewShotEvaluation(train=write_shard(tmp_path / "u-000000.tar", [sample(i, labelled=False)
                                                                                  for i in range(4)]), test=val)
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[unlabelled],

@@ -90,7 +90,7 @@ def test_ddp_pretraining_validates_with_every_rank_in_step(tmp_path: Path, data:
     config = str(ROOT / "configs" / "pretrain" / "demo.yaml")
     out = tmp_path / "probe"
     # Every patch masked: a validation that draws nothing, so that any rank count gives the same metrics.
-    # (Set for the fit: a checkpoint's hyperparameters win over the command line's in `mpp validate`.)
+    # (Set for the fit; the validations take them from its checkpoint.)
     fixed = ["--model.init_args.corruption.ratio", "1.0", "--model.init_args.corruption.mask", "1.0",
              "--model.init_args.corruption.random", "0.0", "--model.init_args.corruption.keep", "0.0"]
     fit = mpp("fit", "--config", config, *DDP, *shrink(data, "train", "val"), *fixed, "--trainer.max_steps", "4",
