@@ -228,15 +228,20 @@ def fill_classes(config: Any, subcommand: str | None) -> list[str]:
     the shards the subcommand reads (train for fit, val for validate, test for test); the line that
     says so. A config that names other classes than the index is refused, naming both."""
     init = getattr(config.model, "init_args", None)
-    split = {"fit": "train", "validate": "val", "test": "test"}.get(subcommand or "")
+    split = {"fit": "train", "validate": "val", "test": "test"}.get(subcommand or "fit")  # none: built to fit
     spec = None if split is None else config.data.get(split)
     if init is None or "num_classes" not in init or spec is None:
         return []
-    listed = listed_classes_of(spec, allow_pipe=bool(config.data.get("allow_pipe")))
+    number, names = init.num_classes, init.class_names
+    try:
+        listed = listed_classes_of(spec, allow_pipe=bool(config.data.get("allow_pipe")))
+    except ConfigError as error:  # shards that are not there: the data module's checks say so, unless needed now
+        if number is None and names is None:
+            raise ConfigError(f"data.{split}: {error}") from error
+        return []
     if listed is None:
         return []
     classes, index = listed
-    number, names = init.num_classes, init.class_names
     if number is None and names is None:
         init.num_classes, init.class_names = len(classes), list(classes)
         return [f"mpp: {len(classes)} classes from {index}: {', '.join(classes)}"]

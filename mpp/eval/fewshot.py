@@ -15,7 +15,9 @@ import torch
 from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
+from mpp.data.loader import EmptyEpochError
 from mpp.data.module import ShardDataModule, ShardSpec, listed_classes_of, run_shards
+from mpp.data.stream import EmptyShardsError
 from mpp.eval.knn import knn_accuracy
 from mpp.eval.linear import DEFAULTS, fewshot_evaluation, linear_probe
 from mpp.model.checkpoint import encoder_and_normalisation
@@ -209,7 +211,7 @@ class FewShotEvaluation(pl.Callback):
         self.knn_k, self.knn_temperature = knn_k, knn_temperature
         self.probe_l2s, self.probe_held_out = tuple(probe_l2s), probe_held_out
         self.every_n_steps, self.max_train, self.max_test = every_n_steps, max_train, max_test
-        self._check_classes(num_classes)
+        self._check_classes(num_classes, given=True)
         self.specs = {"train": train, "test": test}
         self._data_settings: dict[str, Any] = {
             "batch_size": batch_size,
@@ -220,7 +222,7 @@ class FewShotEvaluation(pl.Callback):
         }
         self.data: ShardDataModule | None = None
         self.last_step: int | None = None
-        self.said_shots = False
+        self.said_shots = self.off = self.following = False
         self.history: dict[int, FrozenScores] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -230,6 +232,7 @@ class FewShotEvaluation(pl.Callback):
                 "weights do not allow: use DDP or remove the callback"
             )
         train, test = self._shards(trainer)
+        self.following = self.specs["train"] is None or self.specs["test"] is None
         if self.num_classes is None:
             listed = listed_classes_of(train)
             self._check_classes(None if listed is None else len(listed[0]))
@@ -251,27 +254,41 @@ class FewShotEvaluation(pl.Callback):
             )
         return train, test
 
-    def _check_classes(self, num_classes: int | None) -> None:
-        """Keep K (None: from the labels read); the n-shot draws need max(shots) of each class."""
-        if num_classes is not None and self.max_train < num_classes * max(self.shots):
+    def _check_classes(self, num_classes: int | None, *, given: bool = False) -> None:
+        """Keep K (None: from the index or the labels read). A K given with the callback must leave room for
+        max(shots) of each class in max_train; one read from the shards leaves out the shots they cannot serve."""
+        if given and num_classes is not None and self.max_train < num_classes * max(self.shots):
             raise ValueError(
                 f"FewShotEvaluation.max_train={self.max_train} cannot hold {max(self.shots)} shots of {num_classes} classes"
             )
         self.num_classes = num_classes
 
-    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FrozenScores:
-        """Extract both feature sets with the current encoder, score every n, k-NN and the probe on them; log the scores."""
+    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FrozenScores | None:
+        """Extract both feature sets with the current encoder, score every n, k-NN and the probe on them; log
+        the scores. Shards that cannot serve an evaluation are an error where they were given, and turn the
+        callback off, with a warning, where they are the run's own (unlabelled pretraining shards): None."""
         step = trainer.global_step
         if self.data is None:
             raise RuntimeError("FewShotEvaluation.evaluate before setup")
-        with trainer.precision_plugin.forward_context():
-            features, labels = self._features(pl_module, self.data.val_dataloader(), self.max_train)
-            test_features, test_labels = self._features(pl_module, self.data.test_dataloader(), self.max_test)
-        if labels.min() < 0 or test_labels.min() < 0:
-            shards = ", ".join(str(spec) for spec in self.data.specs.values())
-            raise ValueError(f"FewShotEvaluation: {shards} hold unlabelled samples: give it labelled shards (.cls)")
-        if self.num_classes is None:
-            self._check_classes(int(max(labels.max(), test_labels.max())) + 1)
+        try:
+            with trainer.precision_plugin.forward_context():
+                features, labels = self._features(pl_module, self.data.val_dataloader(), self.max_train)
+                test_features, test_labels = self._features(pl_module, self.data.test_dataloader(), self.max_test)
+            problem = self._unusable(labels, test_labels)
+        except (EmptyEpochError, EmptyShardsError) as error:  # the run's own stream says it, in its own words
+            if not self.following:
+                raise
+            problem = f"the run's shards hold no sample to evaluate on ({type(error).__name__})"
+        if problem and not self.following:
+            raise ValueError(f"FewShotEvaluation: {problem}")
+        if problem:
+            log.warning(
+                "FewShotEvaluation: %s: the run goes on without few-shot evaluation (give the callback "
+                "labelled train and test shards of its own to have one)",
+                problem,
+            )
+            self.off = True
+            return None
         scores = score_features(
             features,
             labels,
@@ -292,16 +309,27 @@ class FewShotEvaluation(pl.Callback):
             logger.log_metrics(scores.metrics(), step=step)
         return scores
 
+    def _unusable(self, labels: Tensor, test_labels: Tensor) -> str | None:
+        """What keeps the labels read from serving the evaluation, if anything (K is taken from them if unset)."""
+        if labels.min() < 0 or test_labels.min() < 0:
+            assert self.data is not None
+            shards = " and ".join(str(spec) for spec in self.data.specs.values() if spec is not None)
+            return f"{shards} hold unlabelled samples (no .cls)"
+        if self.num_classes is None:
+            self._check_classes(int(max(labels.max(), test_labels.max())) + 1)
+        fewest = int(torch.bincount(labels, minlength=cast(int, self.num_classes)).min())
+        if fewest < min(self.shots):
+            return (
+                f"a class has {fewest} examples among the {len(labels)} training samples read, fewer than "
+                f"{min(self.shots)} shots: give more training samples (max_train), shards that mix the classes, "
+                "or fewer shots"
+            )
+        return None
+
     def _servable(self, labels: Tensor) -> tuple[int, ...]:
         """The shots every class has examples for among the labels read; the others are left out, said once."""
         fewest = int(torch.bincount(labels, minlength=cast(int, self.num_classes)).min())
         served = tuple(n for n in self.shots if n <= fewest)
-        if not served:
-            raise ValueError(
-                f"FewShotEvaluation: a class has {fewest} examples among the {len(labels)} training samples read, "
-                f"fewer than {min(self.shots)} shots: give more training samples (max_train), shards that mix "
-                "the classes, or fewer shots"
-            )
         if served != self.shots and not self.said_shots:
             log.warning(
                 "FewShotEvaluation: a class has %d examples among the %d training samples read: %s-shot left out",
@@ -319,20 +347,22 @@ class FewShotEvaluation(pl.Callback):
         encoder, normalise = cast(ViT, pl_module.encoder), cast(nn.Module, pl_module.normalise)  # an EncoderModule's
         return extract_features(encoder, limited(loader, limit), normalise=normalise, device=pl_module.device)
 
+    def _due(self, trainer: pl.Trainer) -> bool:
+        return trainer.is_global_zero and not self.off and self.last_step != trainer.global_step
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The starting point, and an early failure if the few-shot data cannot serve the shots.
-        if trainer.is_global_zero and self.last_step != trainer.global_step:
+        if self._due(trainer):
             self.evaluate(trainer, pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if trainer.is_global_zero and step % self.every_n_steps == 0 and self.last_step != step:
+        if trainer.global_step % self.every_n_steps == 0 and self._due(trainer):
             self.evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and self.last_step != trainer.global_step:
+        if self._due(trainer):
             self.evaluate(trainer, pl_module)
 
 

@@ -225,9 +225,17 @@ def test_the_callback_evaluates_on_the_runs_own_shards_unless_given_others(tmp_p
     # 16 of each class: the shots they serve, the others left out and said once
     assert list(callback.history[1].fewshot) == [1, 2] and list(callback.history[0].fewshot) == [1, 2]
     assert caplog.text.count("a class has 16 examples among the 48 training samples read: 20-shot left out") == 1
-    unlabelled = FewShotEvaluation(train=write_shard(tmp_path / "u-000000.tar", [sample(i, labelled=False)
-                                                                                 for i in range(4)]), test=val)
-    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[unlabelled],
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    with pytest.raises(ValueError, match="hold unlabelled samples: give it labelled shards"):
-        trainer.fit(model, ShardDataModule(train=train, batch_size=8, num_workers=0, shuffle_buffer=0))
+    # Unlabelled shards: an error where the callback was given them, the callback off where they are the run's.
+    unlabelled = write_shard(tmp_path / "u-000000.tar", [sample(i, labelled=False) for i in range(16)])
+    for given, run in (({"train": unlabelled, "test": val}, train), ({}, unlabelled)):
+        callback = FewShotEvaluation(**given, shots=(1,), every_n_steps=1)
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, callbacks=[callback], limit_val_batches=0,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        data = ShardDataModule(train=run, val=val, batch_size=8, num_workers=0, shuffle_buffer=0)
+        if given:
+            with pytest.raises(ValueError, match=r"FewShotEvaluation: .*u-000000\.tar and .* hold unlabelled samples"):
+                trainer.fit(model, data)
+        else:
+            trainer.fit(model, data)
+            assert callback.off and callback.history == {} and trainer.global_step == 2
+            assert "hold unlabelled samples (no .cls): the run goes on without few-shot evaluation" in caplog.text

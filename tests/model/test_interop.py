@@ -340,7 +340,6 @@ def test_timm_loads_the_export_and_computes_our_encoder(tmp_path: Path, config: 
 
 
 @pytest.mark.bench
-@pytest.mark.bench
 @pytest.mark.parametrize("crop_fraction", [1.0, 0.875])
 def test_timms_own_transform_of_an_image_gives_mpps_representation(tmp_path: Path, crop_fraction: float) -> None:
     # Without crop_pct in the export, timm cropped 0.875 of every image, where mpp evaluated the whole of it.

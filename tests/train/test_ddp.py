@@ -136,6 +136,7 @@ def test_ddp_classifier_tests_each_sample_once(tmp_path: Path, data: dict[str, s
     config = str(ROOT / "configs" / "scratch" / "demo.yaml")
     out = tmp_path / "probe"
     fit = mpp("fit", "--config", config, *DDP, *shrink(data, "train", "val"), "--trainer.max_steps", "3",
+              "--model.init_args.num_classes", "10",  # shards without an index: the config says
               "--trainer.default_root_dir", str(tmp_path / "run"), cwd=ROOT)
     assert fit.returncode == 0, fit.stderr[-4000:]
     checkpoint = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
