@@ -189,9 +189,13 @@ class MPPCLI(LightningCLI):
             self.trainer.print(f"mpp: precision {self.trainer.precision}{note}")
 
     def _check_data(self, stage: str) -> None:
-        """The data module's checks, before the trainer starts its loggers (a W&B run) or workers."""
+        """The data module's checks, and those of the callbacks that read shards (few-shot, analyses),
+        before the trainer starts its loggers (a W&B run) or workers."""
         try:
             self.datamodule.check(stage, encoder=getattr(self.model, "encoder_config", None))
+            for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
+                if hasattr(callback, "prepare_run") and stage == "fit":
+                    callback.prepare_run(self.trainer, dict(self.datamodule.specs), self.model)
         except ValueError as error:
             raise ConfigError(str(error)) from error
 

@@ -85,6 +85,7 @@ def user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (["--data.image_size", "32"], "data.image_size=32 does not fit the encoder's model.init_args.encoder.image_size=28"),
     (["--data.train", "photos"], "it holds images, not shards: write shards from them with `python tools/make_shards.py "
                                  "folder photos --out shards/<name> --holdout 0.1`"),
+    (["--data.val", "null"], "FewShotEvaluation: the run has no data.train and data.val (or data.test) to evaluate on"),
 ])
 def test_a_config_error_stops_the_run_before_wandb_starts(user: Path, capsys, options: list[str], said: str) -> None:
     with pytest.raises(SystemExit) as stop:

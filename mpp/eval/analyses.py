@@ -293,12 +293,16 @@ class EncoderAnalysis(pl.Callback):
         self.history: dict[int, dict[str, Any]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.prepare_run(trainer, run_shards(trainer), pl_module)
+
+    def prepare_run(self, trainer: pl.Trainer, run: dict[str, ShardSpec | None], pl_module: pl.LightningModule) -> None:
+        """Choose and check the images (`run`: the run's shards, by split) against the module's encoder;
+        `mpp` calls it before the run starts too, so that what cannot work stops it before W&B does."""
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError(
                 "EncoderAnalysis runs the encoder on rank zero alone, which FSDP's sharded "
                 "weights do not allow: use DDP or remove the callback"
             )
-        run = run_shards(trainer)
         images = self.given or run.get("val") or run.get("test") or run.get("train")
         if images is None:
             raise ValueError(

@@ -226,12 +226,17 @@ class FewShotEvaluation(pl.Callback):
         self.history: dict[int, FrozenScores] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.prepare_run(trainer, run_shards(trainer), pl_module)
+
+    def prepare_run(self, trainer: pl.Trainer, run: dict[str, ShardSpec | None], pl_module: pl.LightningModule) -> None:
+        """Choose and check the shards (`run`: the run's, by split) against the module's encoder; `mpp`
+        calls it before the run starts too, so that what cannot work stops it before W&B does."""
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError(
                 "FewShotEvaluation runs the encoder on rank zero alone, which FSDP's sharded "
                 "weights do not allow: use DDP or remove the callback"
             )
-        train, test = self._shards(trainer)
+        train, test = self._shards(run)
         self.following = self.specs["train"] is None or self.specs["test"] is None
         if self.num_classes is None:
             listed = listed_classes_of(train)
@@ -242,9 +247,8 @@ class FewShotEvaluation(pl.Callback):
         except ValueError as error:
             raise ValueError(f"FewShotEvaluation: {error}".replace("data.", "FewShotEvaluation.")) from None
 
-    def _shards(self, trainer: pl.Trainer) -> tuple[ShardSpec, ShardSpec]:
+    def _shards(self, run: dict[str, ShardSpec | None]) -> tuple[ShardSpec, ShardSpec]:
         """The shards given, else the run's own: its training shards, and its validation (or test) shards."""
-        run = run_shards(trainer)
         train = self.specs["train"] or run.get("train")
         test = self.specs["test"] or run.get("val") or run.get("test")
         if train is None or test is None:
