@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from mpp.config import register_parser_mode
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
-from mpp.data.module import ShardDataModule, listed_classes_of
+from mpp.data.classes import fill_classes
+from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.precision import run_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
@@ -225,38 +226,6 @@ def place_run_outputs(config: Any) -> None:
             and callback.init_args.get("dirpath") is None
         ):
             callback.init_args.dirpath = str(Path(root) / "checkpoints")
-
-
-def fill_classes(config: Any, subcommand: str | None) -> list[str]:
-    """A classifier's `num_classes` and `class_names`, where the config sets neither, from the index of
-    the shards the subcommand reads (train for fit, val for validate, test for test); the line that
-    says so. A config that names other classes than the index is refused, naming both."""
-    init = getattr(config.model, "init_args", None)
-    split = {"fit": "train", "validate": "val", "test": "test"}.get(subcommand or "fit")  # none: built to fit
-    spec = None if split is None else config.data.get(split)
-    if init is None or "num_classes" not in init or spec is None:
-        return []
-    number, names = init.num_classes, init.class_names
-    try:
-        listed = listed_classes_of(spec, allow_pipe=bool(config.data.get("allow_pipe")))
-    except ConfigError as error:  # shards that are not there: the data module's checks say so, unless needed now
-        if number is None and names is None:
-            raise ConfigError(f"data.{split}: {error}") from error
-        return []
-    if listed is None:
-        return []
-    classes, index = listed
-    if number is None and names is None:
-        init.num_classes, init.class_names = len(classes), list(classes)
-        return [f"mpp: {len(classes)} classes from {index}: {', '.join(classes)}"]
-    if (number is not None and number != len(classes)) or (names is not None and list(names) != classes):
-        raise ConfigError(
-            f"model.init_args.num_classes={number} and class_names={names} are not the {len(classes)} classes "
-            f"{index} lists ({', '.join(classes)}): set both to null to take the index's, or name shards of "
-            f"these classes in data.{split}"
-        )
-    init.num_classes, init.class_names = len(classes), list(classes)
-    return []
 
 
 def model_keys(argv: list[str]) -> list[str]:

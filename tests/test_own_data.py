@@ -13,7 +13,8 @@ from shardkit import sample, write_shard
 from workspace import ROOT
 
 from mpp import ImageClassifier, OptimizerConfig
-from mpp.cli import fill_classes, main
+from mpp.cli import main
+from mpp.data.classes import fill_classes
 from mpp.errors import ConfigError
 from mpp.model.vit import ViTConfig
 from mpp.shards.format import FORMAT

@@ -29,7 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from mpp.config import read_config  # noqa: E402
-from mpp.eval.fewshot import FrozenScores, evaluate_checkpoint  # noqa: E402
+from mpp.eval.frozen import FrozenScores, evaluate_checkpoint  # noqa: E402
 from mpp.eval.records import history  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

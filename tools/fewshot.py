@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from mpp.eval.fewshot import FrozenScores, evaluate_checkpoint
+from mpp.eval.frozen import FrozenScores, evaluate_checkpoint
 from mpp.eval.linear import DEFAULTS
 from mpp.model.pixels import pair
 

@@ -42,9 +42,7 @@ from mpp.errors import ConfigError
 from mpp.model.pixels import pair
 from mpp.model.vit import ViTConfig
 from mpp.secrets import redact, redact_tree
-from mpp.shards.format import ShardError
 from mpp.shards.images import DEFAULT_MAX_PIXELS
-from mpp.shards.inspector import listed_classes
 
 log = logging.getLogger(__name__)
 
@@ -351,16 +349,6 @@ def run_shards(trainer: pl.Trainer) -> dict[str, ShardSpec | None]:
     what evaluation callbacks read when they are not given shards of their own."""
     data = getattr(trainer, "datamodule", None)
     return dict(data.specs) if isinstance(data, ShardDataModule) else {}
-
-
-def listed_classes_of(spec: ShardSpec, *, allow_pipe: bool = False) -> tuple[list[str], str] | None:
-    """The class names the shard index (the sidecar beside mpp's shards) of a split lists, and the
-    sidecar's path; None where none lists them."""
-    try:
-        listed = listed_classes(expand_urls(spec, allow_pipe=allow_pipe))
-    except (OSError, ValueError, ShardError) as error:
-        raise ConfigError(redact(str(error))) from error
-    return None if listed is None else (listed[0], str(listed[1][0]))
 
 
 def _gather_ranks(value: Any) -> list[Any]:

@@ -1,13 +1,11 @@
-"""Few-shot, k-NN and linear-probe accuracy of a frozen encoder (mpp.eval.linear, mpp.eval.knn) on
-labelled shards, all three from one extraction of its features: a callback that measures them during
-training, and evaluate_checkpoint for any mpp checkpoint.
+"""FewShotEvaluation: the few-shot, k-NN and linear-probe accuracy of the frozen encoder (mpp.eval.frozen)
+measured during training, on the run's own shards or shards of its own.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import pytorch_lightning as pl
@@ -15,124 +13,15 @@ import torch
 from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
+from mpp.data.classes import listed_classes_of
 from mpp.data.loader import EmptyEpochError
-from mpp.data.module import ShardDataModule, ShardSpec, listed_classes_of, run_shards
+from mpp.data.module import ShardDataModule, ShardSpec, run_shards
 from mpp.data.stream import EmptyShardsError
-from mpp.eval.knn import knn_accuracy
-from mpp.eval.linear import DEFAULTS, fewshot_evaluation, linear_probe
-from mpp.model.checkpoint import encoder_and_normalisation
-from mpp.model.pixels import to_unit_range
+from mpp.eval.frozen import FrozenScores, extract_features, fewshot_data, limited, score_features
+from mpp.eval.linear import DEFAULTS
 from mpp.model.vit import ViT
-from mpp.precision import run_precision
 
 log = logging.getLogger("mpp")
-
-
-def fewshot_data(
-    train: ShardSpec,
-    test: ShardSpec,
-    *,
-    batch_size: int,
-    num_workers: int,
-    eval_crop_fraction: float,
-    image_size: int | tuple[int, int] | None = None,
-    channels: int | None = None,
-) -> ShardDataModule:
-    """The labelled shards of a few-shot evaluation; `train` is read as the `val` split (evaluation
-    transform, shard order), so both are read the same way."""
-    return ShardDataModule(
-        val=train,
-        test=test,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        image_size=image_size,
-        channels=channels,
-        eval_crop_fraction=eval_crop_fraction,
-        shard_shuffle=False,
-        shuffle_buffer=0,
-    )
-
-
-@torch.no_grad()  # not inference_mode: a compiled encoder has a graph for no_grad already, from validation
-def extract_features(
-    encoder: ViT, loader: Iterable[dict[str, Tensor]], *, normalise: nn.Module, device: torch.device | str
-) -> tuple[Tensor, Tensor]:
-    """Batches {"image": (B, C, H, W), "label": (B,)} -> image representations (N, D) float32 and
-    labels (N,), on the CPU, from the frozen encoder in eval mode (its mode is restored after)."""
-    was_training = encoder.training
-    encoder.eval()
-    features, labels = [], []
-    try:
-        for batch in loader:
-            images = normalise(to_unit_range(batch["image"].to(device, non_blocking=True)))
-            features.append(encoder(images).float().cpu())
-            labels.append(batch["label"])
-    finally:
-        encoder.train(was_training)
-    if not features:
-        raise ValueError("no batches to extract features from: the shards are empty")
-    return torch.cat(features), torch.cat(labels)
-
-
-@dataclass(frozen=True)
-class FrozenScores:
-    """What one evaluation of a frozen encoder measured, on `train` training and `test` test features."""
-
-    fewshot: dict[int, float]  # {n: accuracy from n examples per class, the mean over seeds}
-    knn: float  # k-NN accuracy from all training labels
-    linear: float  # linear-probe accuracy from all training labels
-    linear_l2: float  # the probe's l2, chosen on held-out training features
-    train: int
-    test: int
-
-    def metrics(self) -> dict[str, float]:
-        """The logged names: fewshot/<n>shot, fewshot/knn, fewshot/linear and fewshot/linear_l2."""
-        shots = {f"fewshot/{n}shot": accuracy for n, accuracy in self.fewshot.items()}
-        return {**shots, "fewshot/knn": self.knn, "fewshot/linear": self.linear, "fewshot/linear_l2": self.linear_l2}
-
-
-def score_features(
-    features: Tensor,
-    labels: Tensor,
-    test_features: Tensor,
-    test_labels: Tensor,
-    *,
-    num_classes: int,
-    shots: Sequence[int],
-    seeds: int,
-    l2: float,
-    knn_k: int,
-    knn_temperature: float,
-    probe_l2s: Sequence[float],
-    probe_held_out: float,
-) -> FrozenScores:
-    """(N, D), (N,), (M, D), (M,) -> few-shot, k-NN and linear-probe accuracy on the same features."""
-    probe = linear_probe(
-        features, labels, test_features, test_labels, num_classes=num_classes, l2s=probe_l2s, held_out=probe_held_out
-    )
-    return FrozenScores(
-        fewshot=fewshot_evaluation(
-            features, labels, test_features, test_labels, shots=shots, seeds=seeds, num_classes=num_classes, l2=l2
-        ),
-        knn=knn_accuracy(
-            features, labels, test_features, test_labels, num_classes=num_classes, k=knn_k, temperature=knn_temperature
-        ),
-        linear=probe.accuracy,
-        linear_l2=probe.l2,
-        train=len(labels),
-        test=len(test_labels),
-    )
-
-
-def limited(loader: Iterable[dict[str, Tensor]], limit: int) -> Iterable[dict[str, Tensor]]:
-    """The first `limit` samples of a loader's batches (the last batch cut to fit)."""
-    seen = 0
-    for batch in loader:
-        if seen >= limit:
-            return
-        take = min(limit - seen, len(batch["label"]))
-        seen += take
-        yield {"image": batch["image"][:take], "label": batch["label"][:take]}
 
 
 class FewShotEvaluation(pl.Callback):
@@ -278,7 +167,7 @@ class FewShotEvaluation(pl.Callback):
             with trainer.precision_plugin.forward_context():
                 features, labels = self._features(pl_module, self.data.val_dataloader(), self.max_train)
                 test_features, test_labels = self._features(pl_module, self.data.test_dataloader(), self.max_test)
-            problem = self._unusable(labels, test_labels)
+            shots, problem = self._shots(labels, test_labels)
         except (EmptyEpochError, EmptyShardsError) as error:  # the run's own stream says it, in its own words
             if not self.following:
                 raise
@@ -299,7 +188,7 @@ class FewShotEvaluation(pl.Callback):
             test_features,
             test_labels,
             num_classes=cast(int, self.num_classes),
-            shots=self._servable(labels),
+            shots=shots,
             seeds=self.seeds,
             l2=self.l2,
             knn_k=self.knn_k,
@@ -313,27 +202,23 @@ class FewShotEvaluation(pl.Callback):
             logger.log_metrics(scores.metrics(), step=step)
         return scores
 
-    def _unusable(self, labels: Tensor, test_labels: Tensor) -> str | None:
-        """What keeps the labels read from serving the evaluation, if anything (K is taken from them if unset)."""
+    def _shots(self, labels: Tensor, test_labels: Tensor) -> tuple[tuple[int, ...], str | None]:
+        """The shots the labels read can serve (K taken from them if unset; the shots some class has too few
+        examples for are left out, said once), or what keeps them from serving any."""
         if labels.min() < 0 or test_labels.min() < 0:
             assert self.data is not None
             shards = " and ".join(str(spec) for spec in self.data.specs.values() if spec is not None)
-            return f"{shards} hold unlabelled samples (no .cls)"
+            return (), f"{shards} hold unlabelled samples (no .cls)"
         if self.num_classes is None:
             self._check_classes(int(max(labels.max(), test_labels.max())) + 1)
         fewest = int(torch.bincount(labels, minlength=cast(int, self.num_classes)).min())
-        if fewest < min(self.shots):
-            return (
+        served = tuple(n for n in self.shots if n <= fewest)
+        if not served:
+            return (), (
                 f"a class has {fewest} examples among the {len(labels)} training samples read, fewer than "
                 f"{min(self.shots)} shots: give more training samples (max_train), shards that mix the classes, "
                 "or fewer shots"
             )
-        return None
-
-    def _servable(self, labels: Tensor) -> tuple[int, ...]:
-        """The shots every class has examples for among the labels read; the others are left out, said once."""
-        fewest = int(torch.bincount(labels, minlength=cast(int, self.num_classes)).min())
-        served = tuple(n for n in self.shots if n <= fewest)
         if served != self.shots and not self.said_shots:
             log.warning(
                 "FewShotEvaluation: a class has %d examples among the %d training samples read: %s-shot left out",
@@ -342,7 +227,7 @@ class FewShotEvaluation(pl.Callback):
                 "/".join(str(n) for n in self.shots if n not in served),
             )
             self.said_shots = True
-        return served
+        return served, None
 
     @staticmethod
     def _features(
@@ -368,71 +253,3 @@ class FewShotEvaluation(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._due(trainer):
             self.evaluate(trainer, pl_module)
-
-
-def evaluate_checkpoint(
-    path: str,
-    *,
-    train: ShardSpec,
-    test: ShardSpec,
-    shots: Sequence[int] = DEFAULTS.shots,
-    seeds: int = DEFAULTS.seeds,
-    num_classes: int | None = None,
-    max_train: int = DEFAULTS.max_train,
-    max_test: int = DEFAULTS.max_test,
-    image_size: int | tuple[int, int] | None = None,
-    l2: float = DEFAULTS.l2,
-    knn_k: int = DEFAULTS.knn_k,
-    knn_temperature: float = DEFAULTS.knn_temperature,
-    probe_l2s: Sequence[float] = DEFAULTS.probe_l2s,
-    probe_held_out: float = DEFAULTS.probe_held_out,
-    batch_size: int = DEFAULTS.batch_size,
-    num_workers: int = DEFAULTS.num_workers,
-    eval_crop_fraction: float = DEFAULTS.eval_crop_fraction,
-    device: torch.device | str = "cpu",
-    precision: str | None = None,
-) -> FrozenScores:
-    """Few-shot, k-NN and linear-probe accuracy of any mpp checkpoint's frozen encoder, and the counts of
-    training and test features they came from (the arguments: FewShotEvaluation's).
-
-    The n-shot examples come from the first `max_train` samples of `train`, in shard order; k-NN and
-    the probe take all of them. The features are computed under bf16 autocast if `precision` is a
-    bf16 one and the device computes bf16; None: the precision `mpp fit` takes on this device when a
-    config names none (mpp.precision).
-    """
-    device_type = torch.device(device).type
-    precision = run_precision(precision, device_type)[0]
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
-    encoder, normalise = encoder_and_normalisation(path)
-    if image_size is not None:
-        encoder.resize_positions(image_size)
-    encoder.to(device)
-    normalise.to(device)
-    data = fewshot_data(
-        train, test, batch_size=batch_size, num_workers=num_workers, eval_crop_fraction=eval_crop_fraction
-    )
-    data.setup(rank=0, world_size=1, encoder=encoder.config)  # the images take the encoder's size and channels
-    with autocast:
-        features, labels = extract_features(
-            encoder, limited(data.val_dataloader(), max_train), normalise=normalise, device=device
-        )
-        test_features, test_labels = extract_features(
-            encoder, limited(data.test_dataloader(), max_test), normalise=normalise, device=device
-        )
-    if labels.min() < 0 or test_labels.min() < 0:
-        raise ValueError("the shards hold unlabelled samples; few-shot, k-NN and probe evaluation need `.cls` labels")
-    num_classes = num_classes or int(max(labels.max(), test_labels.max())) + 1
-    return score_features(
-        features,
-        labels,
-        test_features,
-        test_labels,
-        num_classes=num_classes,
-        shots=shots,
-        seeds=seeds,
-        l2=l2,
-        knn_k=knn_k,
-        knn_temperature=knn_temperature,
-        probe_l2s=probe_l2s,
-        probe_held_out=probe_held_out,
-    )

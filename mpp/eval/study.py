@@ -476,7 +476,7 @@ def resolve(overrides: Sequence[str], out: Path) -> list[str]:
 
 
 def frozen_scores(checkpoint: Path, shards: tuple[str, str], settings: Settings) -> dict[str, Any]:
-    from mpp.eval.fewshot import evaluate_checkpoint
+    from mpp.eval.frozen import evaluate_checkpoint
 
     scores = evaluate_checkpoint(
         str(checkpoint), train=shards[0], test=shards[1], shots=settings.shots, max_train=settings.frozen_max_train

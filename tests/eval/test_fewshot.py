@@ -21,13 +21,8 @@ from workspace import ROOT
 
 import mpp.eval.fewshot
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
-from mpp.eval.fewshot import (
-    DEFAULTS,
-    FewShotEvaluation,
-    evaluate_checkpoint,
-    extract_features,
-    score_features,
-)
+from mpp.eval.fewshot import DEFAULTS, FewShotEvaluation, extract_features
+from mpp.eval.frozen import evaluate_checkpoint, score_features
 from mpp.eval.knn import knn_accuracy, knn_predictions
 from mpp.eval.linear import choose_l2, fewshot_accuracy, fewshot_evaluation, linear_probe, pick_shots
 
