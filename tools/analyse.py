@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from mpp.eval.analyses import DEFAULTS, Analysis, analyse, save_pictures, sized_images
-from mpp.eval.figures import distance_figure, filters_figure, maps_figure, positions_figure
+from mpp.eval.analyses import DEFAULTS, Analysis, analyse, sized_images
+from mpp.eval.figures import distance_figure, filters_figure, maps_figure, positions_figure, save_pictures
 from mpp.model.checkpoint import encoder_and_normalisation
 
 DEFAULT = " (default: %(default)s)"

@@ -1,33 +1,27 @@
 """What a trained ViT has learned, as in Figure 7 of Dosovitskiy et al. (2021, section 4.5): the
-principal components of the patch-embedding filters (for a hybrid, of its stem's first convolution), the similarity of the position embeddings,
-the mean attention distance of every head, and the class token's attention over a few images.
+principal components of the patch-embedding filters (for a hybrid, of its stem's first
+convolution), the similarity of the position embeddings, the mean attention distance of every
+head, and the class token's attention over a few images.
 
 The pure computations take weights, embeddings or attention tensors, so that known answers can
-be fed to them; `analyse` reads an encoder and runs them; EncoderAnalysis does so during
-training and logs the pictures (mpp.eval.figures) to W&B; tools/analyse.py does so for checkpoints.
+be fed to them; `analyse` reads an encoder and runs them, with the attention weights its blocks
+form on request (`Block(..., return_attention=True)`). mpp.eval.figures draws an Analysis;
+EncoderAnalysis (mpp.eval.analysis_callback) analyses during training, tools/analyse.py checkpoints.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from einops import rearrange
-from PIL import Image
-from pytorch_lightning.loggers import WandbLogger
-from pytorch_lightning.strategies import FSDPStrategy
 from torch import Tensor, nn
 
-from mpp.data.module import ShardDataModule, ShardSpec, run_shards
-from mpp.eval.figures import encoder_figures
+from mpp.data.module import ShardDataModule, ShardSpec
 from mpp.model.pixels import Size2d, to_unit_range
-from mpp.model.vit import Block, ViT, ViTConfig
+from mpp.model.vit import ViT, ViTConfig
 
 
 @dataclass(frozen=True)
@@ -71,12 +65,6 @@ def position_similarity(positions: Tensor, grid: Size2d) -> Tensor:
     return rearrange(unit @ unit.T, "(r c) (gh gw) -> r c gh gw", r=grid[0], gh=grid[0])
 
 
-def attention_weights(q: Tensor, k: Tensor) -> Tensor:
-    """q, k (B, heads, T, d) -> softmax(q kᵀ / √d) (B, heads, T, T), in float32."""
-    scores = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
-    return scores.softmax(-1)
-
-
 def patch_attention(weights: Tensor) -> Tensor:
     """(B, heads, 1 + N, 1 + N) attention with the class token first -> (B, heads, N, N) among the
     patches alone, each row renormalised to sum 1."""
@@ -105,24 +93,6 @@ def class_token_maps(weights: Tensor, grid: Size2d) -> Tensor:
     to_patches = weights[:, :, 0, 1:].float().mean(1)
     to_patches = to_patches / to_patches.sum(-1, keepdim=True).clamp_min(torch.finfo(to_patches.dtype).tiny)
     return rearrange(to_patches, "b (gh gw) -> b gh gw", gh=grid[0])
-
-
-def explicit_blocks(encoder: ViT, tokens: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
-    """(B, 1 + N, D) tokens -> for each block in turn, its output (B, 1 + N, D) and its attention
-    weights (B, heads, 1 + N, 1 + N), float32.
-
-    Training's blocks run fused attention kernels, which never form the weights; this forward
-    forms them with each block's own layers. It reads the blocks' parts (norm1, attn, norm2,
-    mlp) as Block.forward composes them, in eval mode: tests compare it with `encoder.encode`,
-    so a change to Block that this misses fails there."""
-    for module in encoder.blocks:
-        block = cast(Block, module)
-        q, k, v = block.attn.split_heads(block.norm1(tokens))
-        weights = attention_weights(q, k)
-        mixed = rearrange(weights.to(v.dtype) @ v, "b h t d -> b t (h d)")
-        tokens = tokens + block.attn.proj_drop(block.attn.proj(mixed))
-        tokens = tokens + block.mlp(block.norm2(tokens))
-        yield tokens, weights
 
 
 @dataclass(frozen=True)
@@ -188,7 +158,8 @@ def analyse(
             for start in range(0, len(images), batch_size):
                 batch = to_unit_range(images[start : start + batch_size].to(weights.device))
                 tokens = encoder.add_positions(encoder.embed_patches(normalise(batch)))
-                for index, (_, attention) in enumerate(explicit_blocks(encoder, tokens)):
+                for index, block in enumerate(encoder.blocks):
+                    tokens, attention = block(tokens, return_attention=True)
                     distances[index] += mean_attention_distance(patch_attention(attention), grid, patch) * len(batch)
                     if index == encoder.config.depth - 1 and start < map_images:
                         maps.append(class_token_maps(attention[: map_images - start], grid))
@@ -238,122 +209,3 @@ def sized_images(images: ShardSpec, encoder: ViTConfig, count: int, *, batch_siz
     data = analysis_data(images, batch_size=batch_size)
     data.setup(rank=0, world_size=1, encoder=encoder)
     return read_images(data, count)
-
-
-def save_pictures(pictures: dict[str, Any], folder: Path) -> None:
-    """Write each (H, W, 3) uint8 picture as <folder>/<name>.png."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, picture in pictures.items():
-        Image.fromarray(picture).save(folder / f"{name}.png")
-
-
-class EncoderAnalysis(pl.Callback):
-    """Every `every_n_steps` steps and at the end of training, on rank zero: the analyses of the
-    module's `encoder` (normalised by its `normalise`), written under
-    `<default_root_dir>/analyses/step_<step>/` (PNGs and analysis.json), logged as pictures
-    `analysis/<name>` to a W&B logger where there is one, and the mean attention distance of each
-    block as `analysis/attention_distance/block_<i>` to every logger.
-
-    Args:
-        images: shards the attention is measured on (labels, if any, are ignored), read with the
-            evaluation transform at the encoder's size and channels, in shard order; null (the
-            default): the run's `data.val` (or `data.test`, else `data.train`).
-        num_images: images read (the first of the shards), and averaged over.
-        every_n_steps: how often to analyse.
-        components: principal components of the patch filters drawn.
-        map_images: images whose class-token attention is drawn.
-        batch_size: images per forward pass.
-    """
-
-    def __init__(
-        self,
-        *,
-        images: ShardSpec | None = None,
-        num_images: int = DEFAULTS.num_images,
-        every_n_steps: int = DEFAULTS.every_n_steps,
-        components: int = DEFAULTS.components,
-        map_images: int = DEFAULTS.map_images,
-        batch_size: int = DEFAULTS.batch_size,
-    ) -> None:
-        for name, value in (
-            ("every_n_steps", every_n_steps),
-            ("num_images", num_images),
-            ("components", components),
-            ("map_images", map_images),
-            ("batch_size", batch_size),
-        ):
-            if value < 1:
-                raise ValueError(f"EncoderAnalysis.{name} must be at least 1, got {value}")
-        self.num_images, self.every_n_steps = num_images, every_n_steps
-        self.components, self.map_images, self.batch_size = components, map_images, batch_size
-        self.given = images
-        self.data: ShardDataModule | None = None
-        self.images: Tensor | None = None  # read once, at the first analysis
-        self.last_step: int | None = None
-        self.history: dict[int, dict[str, Any]] = {}
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.prepare_run(trainer, run_shards(trainer), pl_module)
-
-    def prepare_run(self, trainer: pl.Trainer, run: dict[str, ShardSpec | None], pl_module: pl.LightningModule) -> None:
-        """Choose and check the images (`run`: the run's shards, by split) against the module's encoder;
-        `mpp` calls it before the run starts too, so that what cannot work stops it before W&B does."""
-        if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError(
-                "EncoderAnalysis runs the encoder on rank zero alone, which FSDP's sharded "
-                "weights do not allow: use DDP or remove the callback"
-            )
-        images = self.given or run.get("val") or run.get("test") or run.get("train")
-        if images is None:
-            raise ValueError(
-                "EncoderAnalysis: the run has no data.val, data.test or data.train: give EncoderAnalysis.images"
-            )
-        self.data = analysis_data(images, batch_size=self.batch_size)
-        try:  # the images take the size and channels of the module's encoder
-            self.data.setup(rank=0, world_size=1, encoder=getattr(pl_module, "encoder_config", None))
-        except ValueError as error:
-            raise ValueError(f"EncoderAnalysis: {error}".replace("data.", "EncoderAnalysis.")) from None
-
-    def analyse(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Analysis:
-        """Analyse the current encoder; write, log and remember the results."""
-        step = trainer.global_step
-        if self.data is None:
-            raise RuntimeError("EncoderAnalysis.analyse before setup")
-        if self.images is None:
-            self.images = read_images(self.data, self.num_images)
-        encoder, normalise = cast(ViT, pl_module.encoder), cast(nn.Module, pl_module.normalise)
-        analysis = analyse(
-            encoder,
-            self.images,
-            normalise=normalise,
-            components=self.components,
-            map_images=self.map_images,
-            batch_size=self.batch_size,
-        )
-        numbers = analysis.numbers()
-        self.history[step], self.last_step = numbers, step
-        pictures = encoder_figures(analysis, name=f"step {step}")
-        folder = Path(trainer.default_root_dir) / "analyses" / f"step_{step:07d}"
-        save_pictures(pictures, folder)
-        (folder / "analysis.json").write_text(json.dumps(numbers, indent=1))
-        metrics = {
-            f"analysis/attention_distance/block_{index}": distance
-            for index, distance in enumerate(numbers["attention_distance"]["per_block"])
-        }
-        for logger in trainer.loggers:  # straight to the loggers: `self.log` is not allowed in on_train_end
-            logger.log_metrics(metrics, step=step)
-            if isinstance(logger, WandbLogger):
-                for name, picture in pictures.items():
-                    logger.log_image(key=f"analysis/{name}", images=[picture], step=step, caption=[f"step {step}"])
-        return analysis
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if trainer.is_global_zero and step % self.every_n_steps == 0 and self.last_step != step:
-            self.analyse(trainer, pl_module)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and self.last_step != trainer.global_step:
-            self.analyse(trainer, pl_module)

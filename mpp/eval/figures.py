@@ -9,18 +9,19 @@ drawing in a training process touches no global figure state or GUI backend.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from PIL import Image
 from torch import Tensor
 from torch.nn import functional as F
 
-if TYPE_CHECKING:
-    from mpp.eval.analyses import Analysis
+from mpp.eval.analyses import Analysis
 
 FILTER_COLUMNS = 7  # 28 components as the paper's 4 x 7
 
@@ -148,3 +149,10 @@ def encoder_figures(analysis: Analysis, *, name: str) -> dict[str, np.ndarray]:
         "attention_distance": distance_figure({name: analysis.distances}),
         "attention_maps": maps_figure({name: (analysis.images, analysis.maps)}),
     }
+
+
+def save_pictures(pictures: dict[str, Any], folder: Path) -> None:
+    """Write each (H, W, 3) uint8 picture as <folder>/<name>.png."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, picture in pictures.items():
+        Image.fromarray(picture).save(folder / f"{name}.png")

@@ -97,19 +97,30 @@ def pick(values: Tensor, positions: Tensor) -> Tensor:
     return values.gather(1, index.expand(-1, -1, *values.shape[2:]))
 
 
+def attention_weights(q: Tensor, k: Tensor) -> Tensor:
+    """q (B, heads, Q, d), k (B, heads, T, d) -> softmax(q kᵀ / √d) (B, heads, Q, T), in float32 as
+    the fused kernels accumulate it."""
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    return scores.softmax(-1, dtype=torch.float32)
+
+
+def mix(weights: Tensor, v: Tensor, dropout: float = 0.0) -> Tensor:
+    """(B, heads, Q, T) attention weights, (B, heads, T, d) values -> (B, heads, Q, d), with dropout on
+    the weights."""
+    weights = weights.to(v.dtype)
+    return (F.dropout(weights, dropout) if dropout else weights) @ v
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, dropout: float = 0.0) -> Tensor:
     """softmax(q kᵀ / √d) v for (B, heads, Q or T, d) inputs, with dropout on the weights.
 
     The fused `scaled_dot_product_attention` kernels everywhere but in bf16 on the CPU, where the
     explicit product is faster: PyTorch's fused CPU kernel took 2.5x (ViT-B/16) to 7x (the demo's
-    ViT) longer for forward and backward there (torch 2.13 and 2.14; tools/bench_step.py). The
-    softmax runs in float32, as the fused kernels accumulate it.
+    ViT) longer for forward and backward there (torch 2.13 and 2.14; tools/bench_step.py).
     """
     if q.device.type != "cpu" or q.dtype != torch.bfloat16:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-    weights = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
-    return (F.dropout(weights, dropout) if dropout else weights) @ v
+    return mix(attention_weights(q, k), v, dropout)
 
 
 class Attention(nn.Module):
@@ -128,14 +139,23 @@ class Attention(nn.Module):
         qkv = rearrange(self.qkv(x), "b t (three h d) -> three b h t d", three=3, h=self.heads)
         return qkv[0], qkv[1], qkv[2]
 
-    def forward(self, x: Tensor, queries: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, queries: Tensor | None = None, *, return_weights: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """(B, T, D) -> (B, T, D); with `queries` (B, Q) token indices, (B, Q, D) for those tokens,
-        which still attend to all T."""
+        which still attend to all T. With `return_weights`, also the attention weights
+        (B, heads, T or Q, T) in float32, which the fused kernels never form: the explicit product."""
         q, k, v = self.split_heads(x)
         if queries is not None:
             q = q.gather(2, queries[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
-        out = attend(q, k, v, self.dropout if self.training else 0.0)
-        return self.proj_drop(self.proj(rearrange(out, "b h t d -> b t (h d)")))
+        dropout = self.dropout if self.training else 0.0
+        if return_weights:
+            weights = attention_weights(q, k)
+            out = mix(weights, v, dropout)
+        else:
+            out = attend(q, k, v, dropout)
+        out = self.proj_drop(self.proj(rearrange(out, "b h t d -> b t (h d)")))
+        return (out, weights) if return_weights else out
 
 
 class MLP(nn.Module):
@@ -163,11 +183,17 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = MLP(dim=dim, hidden=mlp_dim, dropout=dropout)
 
-    def forward(self, x: Tensor, queries: Tensor | None = None) -> Tensor:
-        """(B, T, D) -> (B, T, D); with `queries` (B, Q) token indices, only those outputs (B, Q, D)."""
+    def forward(
+        self, x: Tensor, queries: Tensor | None = None, *, return_attention: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """(B, T, D) -> (B, T, D); with `queries` (B, Q) token indices, only those outputs (B, Q, D).
+        With `return_attention`, also the attention weights (B, heads, T or Q, T) in float32."""
         shortcut = x if queries is None else pick(x, queries)
-        x = shortcut + self.attn(self.norm1(x), queries)
-        return x + self.mlp(self.norm2(x))
+        attended = self.attn(self.norm1(x), queries, return_weights=return_attention)
+        mixed, weights = attended if return_attention else (attended, None)
+        x = shortcut + mixed
+        x = x + self.mlp(self.norm2(x))
+        return x if weights is None else (x, weights)
 
 
 class ViT(nn.Module):

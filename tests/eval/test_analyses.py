@@ -22,18 +22,17 @@ from shardkit import encode, write_shard
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
 from mpp.eval.analyses import (
-    EncoderAnalysis,
     analyse,
     class_token_maps,
-    explicit_blocks,
     filter_components,
     mean_attention_distance,
     patch_attention,
     patch_centres,
     position_similarity,
 )
+from mpp.eval.analysis_callback import EncoderAnalysis
 from mpp.eval.figures import mosaic
-from mpp.model.pixels import Normalise, pair
+from mpp.model.pixels import Normalise
 
 TINY = ViTConfig(image_size=16, patch_size=4, dim=32, depth=2, heads=4, mlp_dim=64)
 
@@ -167,27 +166,6 @@ def test_class_token_maps_show_where_the_class_token_looks():
 def test_mosaic_lays_tiles_out_row_major_with_a_gap():
     tiles = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1, 1)
     assert mosaic(tiles, 2, fill=0.0)[..., 0].tolist() == [[1, 0, 2], [0, 0, 0], [3, 0, 0]]
-
-
-@pytest.mark.parametrize("config", [TINY, ViTConfig(image_size=(8, 12), patch_size=(4, 2), dim=16, depth=3, heads=2,
-                                                     mlp_dim=32, channels=1, dropout=0.1)], ids=["square", "oblong"])
-def test_the_explicit_attention_forward_is_the_encoders_forward(config):
-    encoder = perturbed(config)
-    images = torch.randn(3, config.channels, *pair(config.image_size))
-    with torch.no_grad():
-        tokens = encoder.add_positions(encoder.embed_patches(images))
-        explicit = list(explicit_blocks(encoder, tokens))
-        assert len(explicit) == config.depth
-        expected = tokens
-        for block, (output, weights) in zip(encoder.blocks, explicit):
-            expected = block(expected)
-            torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
-            assert weights.shape == (3, config.heads, tokens.shape[1], tokens.shape[1])
-        cls, patches = encoder.encode(tokens)
-        last = encoder.norm(explicit[-1][0])
-    torch.testing.assert_close(last[:, 0], cls, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(last[:, 1:], patches, atol=1e-5, rtol=1e-5)
 
 
 def test_analyse_reads_the_encoders_own_weights_and_leaves_it_as_it_was():

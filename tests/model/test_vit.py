@@ -9,7 +9,7 @@ from einops import rearrange
 from workspace import ROOT
 
 from mpp import ViT, ViTConfig, patchify
-from mpp.model.vit import attend
+from mpp.model.vit import attend, attention_weights
 
 PRESETS = ROOT / "configs" / "model"
 
@@ -83,6 +83,32 @@ def test_bf16_attention_on_the_cpu_matches_the_fused_kernel_and_drops_weights():
     assert (dropped == 0).float().mean() > 0.9
     attend(qb, k.bfloat16(), v.bfloat16()).float().sum().backward()
     assert qb.grad is not None and qb.grad.abs().sum() > 0
+
+
+def test_blocks_asked_for_their_attention_give_the_fused_output_and_the_textbook_weights():
+    config = ViTConfig(image_size=(8, 12), patch_size=(4, 2), dim=16, depth=3, heads=2, mlp_dim=32, channels=1,
+                       dropout=0.1)
+    model = ViT(config).eval()  # dropout off: the fused kernel draws its own
+    tokens = model.add_positions(model.embed_patches(torch.randn(3, 1, 8, 12)))
+    queries = torch.tensor([[0, 2], [0, 5], [0, 1]])
+    for block in model.blocks:
+        q, k, _ = block.attn.split_heads(block.norm1(tokens))
+        textbook = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1)
+        for kept, expected in ((None, textbook), (queries, textbook.gather(2, queries[:, None, :, None].expand(
+                -1, config.heads, -1, tokens.shape[1])))):
+            explicit, weights = block(tokens, kept, return_attention=True)
+            torch.testing.assert_close(explicit, block(tokens, kept), atol=1e-5, rtol=1e-5)
+            assert weights.dtype == torch.float32
+            torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+        tokens = block(tokens)
+
+
+def test_attention_weights_are_computed_in_float32_from_bf16():
+    q, k = (torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(2))
+    weights = attention_weights(q.bfloat16(), k.bfloat16())
+    assert weights.dtype == torch.float32
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 3, 5))
+    torch.testing.assert_close(weights, attention_weights(q, k), atol=0.02, rtol=0.02)
 
 
 def test_block_is_pre_norm_residual():
