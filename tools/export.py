@@ -25,7 +25,8 @@ import argparse
 import sys
 
 from mpp.model.checkpoint import checkpoint_normalisation, load_encoder, read_checkpoint
-from mpp.model.interop import EXTRA_PREFIX, LAYOUT_NAMES, Layout, write_export
+from mpp.model.export import write_export
+from mpp.model.layouts import EXTRA_PREFIX, LAYOUT_NAMES, Layout
 
 
 def export(path: str, *, layout: Layout, out: str, with_head: bool) -> list[str]:

@@ -1,5 +1,6 @@
 """An encoder out of any mpp checkpoint: its config, its `encoder.*` tensors, its normalisation;
-or out of a timm or Hugging Face export (mpp.model.interop).
+or out of a timm or Hugging Face export (mpp.model.export writes them; mpp.model.layouts names
+their tensors), its config.json read back as our encoder's config.
 
 MaskedPatchPretraining and ImageClassifier write `encoder_config` (plain data) next to the
 state dict; fine-tuning, few-shot evaluation and the tools rebuild the encoder from those
@@ -19,8 +20,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from mpp.model import interop
-from mpp.model.interop import Layout
+from mpp.model import layouts
+from mpp.model.layouts import TIMM_HYBRIDS, TIMM_MODELS, TIMM_STEM_WIDTH, Layout
 from mpp.model.pixels import Normalise, pair
 from mpp.model.vit import ViT, ViTConfig
 
@@ -128,44 +129,44 @@ def read_export(path: str, *, heads: int | None = None) -> tuple[ViTConfig, dict
     with safe_open(str(file), framework="pt") as opened:
         tensors = {name: opened.get_tensor(name) for name in opened.keys()}
     try:
-        layout, tensors = interop.encoder_tensors(tensors)
+        layout, tensors = layouts.encoder_tensors(tensors)
         saved_config = file.parent / "config.json"
         saved = json.loads(saved_config.read_text()) if saved_config.is_file() else None
         hybrid = any(name.startswith("patch_embed.backbone.") for name in tensors)
         if saved is None:
             found = _config_from_shapes(tensors, layout, heads) if not hybrid else {}
         else:
-            found = interop.config_from_timm(saved) if layout == "timm" else interop.config_from_hf(saved)
+            found = config_from_timm(saved) if layout == "timm" else config_from_hf(saved)
         if hybrid and found.get("stem") is None:
             raise ValueError(
                 "it is a timm hybrid ViT whose stem mpp cannot tell: give its config.json, naming one of "
-                f"{', '.join(interop.TIMM_HYBRIDS)}"
+                f"{', '.join(TIMM_HYBRIDS)}"
             )
         config = ViTConfig(**found)
     except ValueError as error:
         raise ValueError(f"export {path}: {error}") from error
     with torch.device("meta"):  # names and shapes only: no memory, no initialisation
         own = ViT(config).state_dict()
-    problem = misfit({name: tuple(value.shape) for name, value in interop.to_layout(own, layout).items()}, tensors)
+    problem = misfit({name: tuple(value.shape) for name, value in layouts.to_layout(own, layout).items()}, tensors)
     if problem:
         raise ValueError(
-            f"the tensors of {interop.LAYOUT_NAMES[layout]} export {path} do not fit its encoder: {problem}"
+            f"the tensors of {layouts.LAYOUT_NAMES[layout]} export {path} do not fit its encoder: {problem}"
         )
-    return config, interop.from_layout(tensors, layout, list(own))
+    return config, layouts.from_layout(tensors, layout, list(own))
 
 
 def _config_from_shapes(tensors: Mapping[str, Tensor], layout: Layout, heads: int | None) -> dict[str, Any]:
     """The config fields a bare state dict's shapes say; heads, which no shape says, come from the caller."""
 
     def shape(name: str) -> tuple[int, ...]:
-        (theirs, *_) = interop.names_in(layout, name)
+        (theirs, *_) = layouts.names_in(layout, name)
         if theirs not in tensors:
             raise ValueError(f"it has no {theirs}")
         return tuple(tensors[theirs].shape)
 
     dim, channels, patch_h, patch_w = shape("patch_embed.weight")
     depth = 0
-    while interop.names_in(layout, f"blocks.{depth}.norm1.weight")[0] in tensors:
+    while layouts.names_in(layout, f"blocks.{depth}.norm1.weight")[0] in tensors:
         depth += 1
     patches = shape("pos_embed")[1] - 1
     grid = math.isqrt(patches)
@@ -182,6 +183,68 @@ def _config_from_shapes(tensors: Mapping[str, Tensor], layout: Layout, heads: in
         "heads": heads,
         "mlp_dim": shape("blocks.0.mlp.fc1.weight")[0],
     }
+
+
+def config_from_timm(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """timm's `config.json` -> our encoder's config fields; refuses what a plain ViT is not."""
+    pretrained = saved.get("pretrained_cfg", saved)  # older files hold the pretrained_cfg alone
+    args = dict(saved.get("model_args") or {})
+    architecture = saved.get("architecture")
+    sizes: dict[str, Any] = {"mlp_ratio": 4.0, "in_chans": 3, "img_size": 224}  # timm's own defaults
+    stem = None
+    if architecture in TIMM_MODELS:
+        dim, depth, heads, patch, image = TIMM_MODELS[architecture]
+        sizes.update(embed_dim=dim, depth=depth, num_heads=heads, patch_size=patch, img_size=image)
+    elif architecture in TIMM_HYBRIDS:
+        layers, dim, depth, heads, image = TIMM_HYBRIDS[architecture]
+        sizes.update(embed_dim=dim, depth=depth, num_heads=heads, patch_size=1, img_size=image)
+        stem = {"layers": layers, "width": TIMM_STEM_WIDTH}
+    if pretrained.get("input_size"):
+        channels, *image_size = pretrained["input_size"]
+        sizes.update(in_chans=channels, img_size=image_size)
+    sizes.update(args)
+    unknown = [k for k in ("embed_dim", "depth", "num_heads", "patch_size") if k not in sizes]
+    if unknown:
+        raise ValueError(f"timm architecture {architecture!r} is not one mpp knows, and model_args lack {unknown}")
+    if sizes.get("act_layer") not in (None, "gelu"):
+        raise ValueError(f"timm model_args act_layer {sizes['act_layer']!r}: the mpp encoder has exact GELU")
+    return {
+        "image_size": pair(sizes["img_size"]),
+        "patch_size": pair(sizes["patch_size"]),
+        "channels": sizes["in_chans"],
+        "dim": sizes["embed_dim"],
+        "depth": sizes["depth"],
+        "heads": sizes["num_heads"],
+        "mlp_dim": int(sizes["embed_dim"] * sizes["mlp_ratio"]),  # as timm computes it
+        "stem": stem,
+    }
+
+
+_HF_FIELDS = {
+    "hidden_size": "dim",
+    "num_hidden_layers": "depth",
+    "num_attention_heads": "heads",
+    "intermediate_size": "mlp_dim",
+    "num_channels": "channels",
+    "image_size": "image_size",
+    "patch_size": "patch_size",
+}
+
+
+def config_from_hf(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers' `config.json` -> our encoder's config fields; refuses what our encoder does not compute."""
+    wrong = [f"{k} is missing" for k in _HF_FIELDS if k not in saved]
+    if saved.get("model_type", "vit") != "vit":
+        wrong.append(f"model_type {saved['model_type']!r} is not 'vit'")
+    if saved.get("hidden_act", "gelu") != "gelu":
+        wrong.append(f"hidden_act {saved['hidden_act']!r} is not 'gelu' (exact, as the mpp encoder's)")
+    # transformers' own ViTs have 1e-12: as good as our 1e-6 for activations of unit scale.
+    if saved.get("layer_norm_eps", 1e-12) > 1e-5:
+        wrong.append(f"layer_norm_eps {saved['layer_norm_eps']} is far from the mpp encoder's 1e-6")
+    if wrong:
+        raise ValueError("its config.json describes no encoder mpp can build: " + "; ".join(wrong))
+    fields = {ours: saved[theirs] for theirs, ours in _HF_FIELDS.items()}
+    return {**fields, "image_size": pair(fields["image_size"]), "patch_size": pair(fields["patch_size"])}
 
 
 def checkpoint_normalisation(path: str, *, checkpoint: dict[str, Any] | None = None) -> Normalise:

@@ -18,9 +18,10 @@ from workspace import ROOT
 from mpp import CorruptionConfig, ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViT, ViTConfig
 from mpp.config import read_config
 from mpp.eval.analyses import analyse
-from mpp.model import interop
+from mpp.model import layouts
 from mpp.model.checkpoint import load_encoder, read_export
 from mpp.model.corruption import MASKED, choose_corruption, mask_pixels
+from mpp.model.export import write_export
 from mpp.model.pixels import Normalise
 from mpp.model.stem import StdConv2d, StemConfig, same_padding
 from mpp.model.targets import quantise_colours
@@ -250,7 +251,7 @@ R50_TINY = ViTConfig(image_size=32, patch_size=1, channels=3, dim=32, depth=1, h
 def test_hugging_face_export_refuses_a_hybrid(tmp_path: Path):
     model = ViT(SMALL)
     with pytest.raises(ValueError, match="ViTModel has no ResNet stem"):
-        interop.write_export(tmp_path, model.state_dict(), SMALL, "hf", mean=[0.5], std=[0.5])
+        write_export(tmp_path, model.state_dict(), SMALL, "hf", mean=[0.5], std=[0.5])
 
 
 def test_the_export_tool_refuses_a_hybrid_for_hugging_face_naming_the_way_out(tmp_path: Path, capsys):
@@ -261,12 +262,12 @@ def test_the_export_tool_refuses_a_hybrid_for_hugging_face_naming_the_way_out(tm
 
 def test_timm_export_refuses_a_stem_timm_does_not_build(tmp_path: Path):
     with pytest.raises(ValueError, match=r"encoder.stem has layers \[1\] and width 32"):
-        interop.write_export(tmp_path, ViT(SMALL).state_dict(), SMALL, "timm", mean=[0.5], std=[0.5])
+        write_export(tmp_path, ViT(SMALL).state_dict(), SMALL, "timm", mean=[0.5], std=[0.5])
 
 
 def test_a_timm_export_of_an_r50_hybrid_comes_back_exactly(tmp_path: Path):
     model = perturbed(R50_TINY)
-    interop.write_export(tmp_path, model.state_dict(), R50_TINY, "timm", mean=[0.5], std=[0.5])
+    write_export(tmp_path, model.state_dict(), R50_TINY, "timm", mean=[0.5], std=[0.5])
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architecture"] == "vit_base_r50_s16_224" and saved["model_args"]["embed_dim"] == 32
     config, weights = read_export(str(tmp_path))
@@ -291,7 +292,7 @@ def same_outputs(theirs: torch.nn.Module, ours: ViT) -> None:
 def test_timm_loads_the_hybrid_export_and_computes_our_encoder(tmp_path: Path):
     timm = pytest.importorskip("timm")
     ours = perturbed(R50_TINY)
-    interop.write_export(tmp_path, ours.state_dict(), R50_TINY, "timm", mean=[0.5], std=[0.5])
+    write_export(tmp_path, ours.state_dict(), R50_TINY, "timm", mean=[0.5], std=[0.5])
     same_outputs(timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval(), ours)
 
 
@@ -308,14 +309,14 @@ def test_a_hybrid_that_timm_wrote_imports_as_our_encoder(tmp_path: Path):
 
 
 @pytest.mark.bench
-@pytest.mark.parametrize("name", sorted(interop.TIMM_HYBRIDS))
+@pytest.mark.parametrize("name", sorted(layouts.TIMM_HYBRIDS))
 def test_every_timm_hybrid_mpp_knows_builds_the_sizes_it_stands_for(name: str):
     timm = pytest.importorskip("timm")
-    layers, dim, depth, heads, image = interop.TIMM_HYBRIDS[name]
+    layers, dim, depth, heads, image = layouts.TIMM_HYBRIDS[name]
     with torch.device("meta"):
         theirs = timm.create_model(name, num_classes=0)
         ours = ViT(ViTConfig(image_size=image, patch_size=1, dim=dim, depth=depth, heads=heads, mlp_dim=4 * dim,
-                             stem=StemConfig(layers=layers, width=interop.TIMM_STEM_WIDTH)))
+                             stem=StemConfig(layers=layers, width=layouts.TIMM_STEM_WIDTH)))
     theirs_shapes = {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
-    ours_shapes = {k: tuple(v.shape) for k, v in interop.to_layout(ours.state_dict(), "timm").items()}
+    ours_shapes = {k: tuple(v.shape) for k, v in layouts.to_layout(ours.state_dict(), "timm").items()}
     assert theirs_shapes == ours_shapes

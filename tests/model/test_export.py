@@ -21,8 +21,9 @@ from workspace import TESTS
 
 from mpp import ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViT, ViTConfig
 from mpp.data.transforms import ImageTransform
-from mpp.model import interop
+from mpp.model import layouts
 from mpp.model.checkpoint import encoder_and_normalisation, load_encoder, read_checkpoint, read_export
+from mpp.model.export import hf_config, write_export
 from mpp.model.pixels import Normalise, pair
 
 TINY = ViTConfig(image_size=32, patch_size=8, channels=3, dim=32, depth=2, heads=2, mlp_dim=64)
@@ -51,8 +52,8 @@ def images(config: ViTConfig, count: int = 3) -> torch.Tensor:
     return Normalise(mean=MEAN, std=STD)(torch.rand(count, config.channels, *pair(config.image_size)))
 
 
-def export(model: ViT, layout: interop.Layout, folder: Path) -> Path:
-    interop.write_export(folder, model.state_dict(), model.config, layout, mean=MEAN, std=STD)
+def export(model: ViT, layout: layouts.Layout, folder: Path) -> Path:
+    write_export(folder, model.state_dict(), model.config, layout, mean=MEAN, std=STD)
     return folder
 
 
@@ -140,7 +141,7 @@ def test_transformers_own_preprocessing_of_an_image_gives_mpps_representation(tm
 
 @pytest.mark.parametrize("layout", ["timm", "hf"])
 @pytest.mark.parametrize("config", [TINY, WIDE], ids=["square", "wide"])
-def test_a_round_trip_reproduces_every_tensor(tmp_path: Path, layout: interop.Layout, config: ViTConfig) -> None:
+def test_a_round_trip_reproduces_every_tensor(tmp_path: Path, layout: layouts.Layout, config: ViTConfig) -> None:
     ours = encoder(config)
     config_back, weights = read_export(str(export(ours, layout, tmp_path)))
     assert weights.keys() == ours.state_dict().keys()
@@ -225,7 +226,7 @@ def test_a_folder_that_transformers_wrote_imports_as_our_encoder(tmp_path: Path)
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     # Its tensors under "vit.", a classifier beside them.
-    theirs = transformers.ViTForImageClassification(transformers.ViTConfig(**interop.hf_config(WIDE), num_labels=5))
+    theirs = transformers.ViTForImageClassification(transformers.ViTConfig(**hf_config(WIDE), num_labels=5))
     theirs.save_pretrained(tmp_path)
     ours = load_encoder(str(tmp_path)).eval()
     assert ours.config.heads == 3 and ours.grid == (6, 5)
@@ -369,10 +370,10 @@ def test_a_timm_sized_encoder_is_exported_under_its_timm_name(tmp_path: Path) ->
 
 
 @pytest.mark.bench
-@pytest.mark.parametrize("name", sorted(interop.TIMM_MODELS))
+@pytest.mark.parametrize("name", sorted(layouts.TIMM_MODELS))
 def test_every_timm_name_mpp_knows_builds_the_sizes_it_stands_for(name: str) -> None:
     timm = pytest.importorskip("timm")
-    dim, depth, heads, patch, image = interop.TIMM_MODELS[name]
+    dim, depth, heads, patch, image = layouts.TIMM_MODELS[name]
     with torch.device("meta"):
         model = timm.create_model(name, num_classes=0)
     assert (model.embed_dim, len(model.blocks), model.blocks[0].attn.num_heads) == (dim, depth, heads)
