@@ -27,20 +27,20 @@ install: $(VENV)/.installed
 # Pretrain a small ViT on the embedded FashionMNIST shards, then fine-tune it next to the same
 # classifier trained from scratch, and print the comparison (minutes on two CPU cores).
 demo: $(VENV)/.installed
-	$(BIN)/python tools/compare.py --out runs/demo
+	$(BIN)/python -m experiments.compare --out runs/demo
 
 # Does MPP help? Six arms (the hybrid's two among them) x 3 seeds x 2 label budgets, learning rates chosen on
 # a held-out split, and the ablation of the objective, into results/study (hours on two CPU cores; it resumes).
 study: $(VENV)/.installed
-	$(BIN)/python tools/study.py --results results/study
+	$(BIN)/python -m experiments.study --results results/study
 
 # Lint, format and types first (seconds), then the tests on two workers, a file to a worker, in the
 # order tests/conftest.py sets (--no-loadscope-reorder keeps it).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed
-	$(BIN)/ruff check mpp tools tests
-	$(BIN)/ruff format --check mpp tools
+	$(BIN)/ruff check mpp tools experiments benchmarks tests
+	$(BIN)/ruff format --check mpp tools experiments benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(XDIST)
 
@@ -54,7 +54,7 @@ $(BENCH_VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 bench: $(BENCH_VENV)/.installed
-	$(BENCH_VENV)/bin/python tools/bench_step.py --batch 8 --repeats 5
+	$(BENCH_VENV)/bin/python -m benchmarks.bench_step --batch 8 --repeats 5
 
 # The tests that need torchvision (decode="device" on the CPU), in the bench environment.
 test-bench: $(BENCH_VENV)/.installed

@@ -16,11 +16,11 @@ Settings:
              cross one epoch boundary) on the embedded shards/fashion-mnist shards.
     vit_b16  configs/pretrain/vit_b16.yaml's model (224 px RGB ViT-B/16, compiled as the config
              says) and data options on ~256 px JPEG shards this tool writes to a temporary
-             folder; for a GPU machine (tools/bench_gpu.py adds the compute-only step and MFU).
+             folder; for a GPU machine (benchmarks/bench_gpu.py adds the compute-only step and MFU).
 
-    python tools/bench_fit.py                                   # demo, 2 fits of each arm
-    python tools/bench_fit.py --workers 2 --repeats 3
-    python tools/bench_fit.py --setting vit_b16 --batch 64 --workers 12 --steps 60
+    python -m benchmarks.bench_fit                                   # demo, 2 fits of each arm
+    python -m benchmarks.bench_fit --workers 2 --repeats 3
+    python -m benchmarks.bench_fit --setting vit_b16 --batch 64 --workers 12 --steps 60
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 import torch
-from benchkit import (
+
+from benchmarks.kit import (
     ROOT,
     SETTINGS,
     SHARD_TARGET,
@@ -46,7 +47,6 @@ from benchkit import (
     run_precision,
     write_photo_shards,
 )
-
 from mpp import MaskedPatchPretraining
 
 

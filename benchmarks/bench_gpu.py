@@ -29,9 +29,9 @@ head; x 3 for forward + backward) and printed next to the usual ~105 GFLOPs of V
 224 px. The last block computes only the outputs the loss uses, so the step executes fewer
 FLOPs than the model count; that figure is printed too, MFU uses the model count.
 
-    python tools/bench_gpu.py                          # ViT-B/16, batch 256, on the GPU
-    python tools/bench_gpu.py --batch 128 --no-compile
-    python tools/bench_gpu.py --smoke                  # a tiny model on the CPU: checks the script runs
+    python -m benchmarks.bench_gpu                          # ViT-B/16, batch 256, on the GPU
+    python -m benchmarks.bench_gpu --batch 128 --no-compile
+    python -m benchmarks.bench_gpu --smoke                  # a tiny model on the CPU: checks the script runs
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from benchkit import (
+
+from benchmarks.kit import (
     SHARD_TARGET,
     Rates,
     alternate,
@@ -64,7 +65,6 @@ from benchkit import (
     training_step,
     write_photo_shards,
 )
-
 from mpp import MaskedPatchPretraining
 from mpp.data.device_decode import torchvision_io
 from mpp.errors import ConfigError

@@ -5,8 +5,8 @@ horizontal flip, into uint8 (B, C, H, W) batches, at the same batch size and wor
 The baseline is what a torchvision-style folder pipeline does (open, convert to RGB, crop,
 resize, flip, to tensor) written with PIL alone. Runs alternate (A B B A ...); each reads every image once.
 
-    python tools/bench_loader.py --workers 1
-    python tools/bench_loader.py --workers 2 --images 2000 --repeats 3
+    python -m benchmarks.bench_loader --workers 1
+    python -m benchmarks.bench_loader --workers 2 --images 2000 --repeats 3
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchkit import alternate, argument_parser, cpu_name, write_photo_shards
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks.kit import alternate, argument_parser, cpu_name, write_photo_shards
 from mpp.data.module import ShardDataModule
 from mpp.data.transforms import random_resized_box
 

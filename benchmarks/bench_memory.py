@@ -11,8 +11,8 @@ just before the pass (imports and setup: most of the peak) and, from /proc where
 one, the resident size of the main process and of the largest worker at the first and at the
 last batch: growth between them is memory that accumulates while streaming.
 
-    python tools/bench_memory.py                                   # 0 and 2 workers, buffer 0 and 1000
-    python tools/bench_memory.py --workers 2 --shuffle-buffers 1000 --repeats 2
+    python -m benchmarks.bench_memory                                   # 0 and 2 workers, buffer 0 and 1000
+    python -m benchmarks.bench_memory --workers 2 --shuffle-buffers 1000 --repeats 2
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchkit import SHARD_PREFIX, argument_parser, write_photo_shards
-
+from benchmarks.kit import ROOT, SHARD_PREFIX, argument_parser, write_photo_shards
 from mpp.data.module import ShardDataModule
 from mpp.shards.format import shard_pattern
 
@@ -119,7 +118,8 @@ def measure_side_by_side(
     ]
     passes = [
         subprocess.Popen(
-            [sys.executable, __file__, "--one-pass", pattern, *options],
+            [sys.executable, "-m", "benchmarks.bench_memory", "--one-pass", pattern, *options],
+            cwd=ROOT,
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -8,8 +8,8 @@ work of one `Trainer.fit` step without Lightning around it. Arms alternate, the 
 every round (A B C D D C B A ...). A compiled arm compiles in its first, untimed steps; that time
 is printed as well, since every run pays it once for training and once for evaluation.
 
-    python tools/bench_precision.py                                   # demo: batch 128 of 28 px grey images
-    python tools/bench_precision.py --setting vit_b16 --batch 8 --repeats 4 --no-compile
+    python -m benchmarks.bench_precision                                   # demo: batch 128 of 28 px grey images
+    python -m benchmarks.bench_precision --setting vit_b16 --batch 8 --repeats 4 --no-compile
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from benchkit import (
+
+from benchmarks.kit import (
     alternate,
     argument_parser,
     host_line,
@@ -29,7 +30,6 @@ from benchkit import (
     timed,
     training_step,
 )
-
 from mpp import MaskedPatchPretraining
 from mpp.model.pixels import pair
 from mpp.train.optim import OptimizerConfig, configure_optimizer

@@ -8,8 +8,8 @@ times the first batch of the stream resumed from that state next to the first ba
 stream (the same work less the replay), `--repeats` times each, alternating. One worker (in the
 process, `num_workers=0`): with more, each replays its own part at the same time.
 
-    python tools/bench_resume.py
-    python tools/bench_resume.py --shard-sizes 100 1000 10000 --batches 60
+    python -m benchmarks.bench_resume
+    python -m benchmarks.bench_resume --shard-sizes 100 1000 10000 --batches 60
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchkit import ROOT
-
+from benchmarks.kit import ROOT
 from mpp.data import ShardDataModule
 from mpp.shards.format import shard_name, shard_pattern
 from mpp.shards.tar import iter_samples

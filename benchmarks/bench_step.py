@@ -8,9 +8,9 @@ autocast (`--precision bf16-mixed`, as Lightning's bf16-mixed runs a step), eage
 does; `--compile both`: timm's model too, with torch.compile's defaults). timm is a
 benchmark-only dependency: `make bench` installs it in its own environment.
 
-    python tools/bench_step.py --batch 8 --repeats 5
-    python tools/bench_step.py --batch 8 --repeats 5 --precision bf16-mixed
-    python tools/bench_step.py --batch 8 --repeats 5 --compile both
+    python -m benchmarks.bench_step --batch 8 --repeats 5
+    python -m benchmarks.bench_step --batch 8 --repeats 5 --precision bf16-mixed
+    python -m benchmarks.bench_step --batch 8 --repeats 5 --compile both
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from benchkit import alternate, argument_parser, host_line, precision_context, timed, training_step
 
+from benchmarks.kit import alternate, argument_parser, host_line, precision_context, timed, training_step
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
 
 PRESET = Path(__file__).parents[1] / "configs" / "model" / "vit_b.yaml"

@@ -5,8 +5,8 @@ page cache), group the members into samples and count them; the best of --repeat
 "small" is --samples 28 x 28 grey PNG samples with a .cls each (a FashionMNIST shard's shape),
 "big" is --big samples of one --big-mib MiB .bin member and a .cls each.
 
-    python tools/bench_tar.py
-    python tools/bench_tar.py --samples 5000 --big 2 --big-mib 16 --repeats 5
+    python -m benchmarks.bench_tar
+    python -m benchmarks.bench_tar --samples 5000 --big 2 --big-mib 16 --repeats 5
 """
 
 from __future__ import annotations

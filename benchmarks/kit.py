@@ -1,7 +1,7 @@
 """What the benchmark scripts share: synthetic photos and their shards, the A B B A alternation,
 the two `Trainer.fit` arms (from shards, from in-memory batches) with their steady-state rates,
-and the lines that describe the machine. The scripts import it by name: a script's folder is on
-sys.path, and pytest's pythonpath has tools/. It imports no script.
+and the lines that describe the machine. The benchmarks run as modules from the project's folder
+(`python -m benchmarks.bench_step`) and import it as `benchmarks.kit`. It imports no benchmark.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ the same classifier trained from scratch — same labels, augmentation, steps an
 and write a markdown table and a plot of validation accuracy against step. The table scores every
 encoder frozen too (the pretrained one and both arms'): few-shot, k-NN and linear probe.
 
-    python tools/compare.py                                   # the demo configs, embedded sample
-    python tools/compare.py --pretrained runs/demo/pretrain/checkpoints/last.ckpt \\
+    python -m experiments.compare                             # the demo configs, embedded sample
+    python -m experiments.compare --pretrained runs/demo/pretrain/checkpoints/last.ckpt \\
         --train shards/fashion-mnist/train-000000.tar --out runs/compare-1k   # 1,000 labels
-    python tools/compare.py --test shards/fashion-mnist/test-000000.tar 'full=shards/fmnist-full/test-000000.tar'
+    python -m experiments.compare --test shards/fashion-mnist/test-000000.tar 'full=shards/fmnist-full/test-000000.tar'
 
 Each run is an `mpp fit` / `mpp test` subprocess with its own folder under --out; results are
 read back from the runs' W&B records, so finished runs can be inspected or synced later.

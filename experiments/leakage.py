@@ -1,15 +1,24 @@
 """Does a hybrid's stem leak a [mask]ed token's colour? MPP accuracy per kind of corrupted token, of the
 demo ViT, its hybrid, and the hybrid with corruption.mask_pixels, with the transformer blocks frozen
-at init and (--trained) with nothing frozen (mpp.eval.leakage).
+at init and (--trained) with nothing frozen.
 
-    python tools/leakage.py --results results/leakage
-    python tools/leakage.py --quick --out runs/leakage-quick    # a few steps: the plumbing
+    python -m experiments.leakage --results results/leakage
+    python -m experiments.leakage --quick --out runs/leakage-quick    # a few steps: the plumbing
 
 Each run is `mpp fit` of configs/pretrain/demo.yaml or configs/pretrain/demo_hybrid.yaml for --steps
 (frozen: with `--model.init_args.frozen [encoder.blocks]`), then the accuracy of one seeded draw of
 corruption of the images (the configs' validation shard, the 1,000 embedded test images: no choice is
 made here). The leak is the hybrid's [mask]ed accuracy minus the pure ViT's with the same seed and the
 blocks frozen, with a 95% interval over seeds. Runs resume: a finished run is skipped.
+
+A pure ViT's [mask]ed token holds none of its patch's pixels: whatever the model predicts for it
+comes from the other tokens. A hybrid's stem sees every pixel, and its receptive field spans more
+than one token, so the features of a masked token's neighbours hold part of its colour. With the
+transformer blocks frozen at their random init (`MaskedPatchPretraining(frozen=["encoder.blocks"])`),
+the blocks cannot learn to infer a colour from the context; what the head predicts for a [mask]ed
+token then comes through the embedding (and stem), the blocks' fixed mixing and the final norm. The
+hybrid's [mask]ed accuracy above the pure ViT's there is the leak; `corruption.mask_pixels` blanks
+the masked tokens' pixels before the stem, and should take it away.
 """
 
 from __future__ import annotations
@@ -24,11 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from experiments.report import interval, pct
+from experiments.runner import checkpointing, cli, output_to, run_outputs
+from experiments.stats import paired, summarise
 from mpp.eval.analyses import sized_images
-from mpp.eval.leakage import KINDS, accuracy_by_kind
-from mpp.eval.stats import paired, summarise
-from mpp.eval.study import checkpointing, cli, output_to, run_outputs
+from mpp.model.corruption import KEPT, MASKED, REPLACED
+from mpp.model.pixels import to_unit_range
 from mpp.train.pretrain import MaskedPatchPretraining
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +54,54 @@ ENCODERS = {
 LABELS = {"vit": "ViT", "hybrid": "hybrid", "hybrid_mask_pixels": "hybrid, mask_pixels"}
 FROZEN = ["--model.init_args.frozen", '["encoder.blocks"]']
 QUICK = ("--data.batch_size", "16", "--data.num_workers", "0", "--trainer.limit_val_batches", "2")
+
+
+KINDS = {"masked": MASKED, "replaced": REPLACED, "kept": KEPT}
+
+
+@torch.no_grad()
+def accuracy_by_kind(module: Any, images: Tensor, *, seed: int = 0, batch_size: int = 250) -> dict[str, Any]:
+    """MPP accuracy of a `MaskedPatchPretraining` on (N, C, H, W) images, per kind of corrupted token.
+
+    One draw of corruption per image from a generator seeded by `seed`, so that modules scored with the
+    same seed see the same corrupted tokens. Returns, for each of `masked`, `replaced`, `kept` and `all`,
+    the share of right predictions and the number of tokens, and `majority`: the share of [mask]ed
+    tokens whose target is the most common target among them (always guessing that class).
+    """
+    if module.target.kind == "pixels":
+        raise ValueError("accuracy_by_kind needs class targets; target.kind is pixels")
+    was_training = module.training
+    module.eval()
+    right = dict.fromkeys([*KINDS, "all"], 0)
+    total = dict.fromkeys([*KINDS, "all"], 0)
+    masked_targets = []
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        for chunk in images.split(batch_size):
+            output = module(to_unit_range(chunk))
+            hits = output.predictions.argmax(dim=-1) == output.targets
+            kinds = output.corrupted.kinds
+            if hits.dim() > kinds.dim():  # several predictions per token (downsized colours)
+                kinds = kinds.unsqueeze(-1).expand_as(hits)
+            for name, kind in KINDS.items():
+                chosen = kinds == kind
+                right[name] += int(hits[chosen].sum())
+                total[name] += int(chosen.sum())
+            right["all"] += int(hits.sum())
+            total["all"] += hits.numel()
+            masked_targets.append(output.targets[kinds == MASKED])
+    finally:
+        torch.random.set_rng_state(state)
+        module.train(was_training)
+    targets = torch.cat(masked_targets)
+    majority = float(torch.bincount(targets).max() / len(targets)) if len(targets) else float("nan")
+    scores: dict[str, Any] = {
+        name: {"accuracy": right[name] / total[name] if total[name] else float("nan"), "tokens": total[name]}
+        for name in total
+    }
+    scores["majority"] = majority
+    return scores
 
 
 def run_name(encoder: str, mode: str, seed: int) -> str:
@@ -97,23 +157,13 @@ def summary(results: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     return {"rows": rows, "leaks": leaks}
 
 
-def percent(value: dict[str, Any]) -> str:
-    return f"{100 * value['mean']:.1f} ± {100 * value['std']:.1f}"
-
-
-def interval(value: dict[str, Any]) -> str:
-    if value["low"] is None:
-        return f"{100 * value['mean']:+.1f} pts (one seed)"
-    return f"{100 * value['mean']:+.1f} pts [{100 * value['low']:+.1f}, {100 * value['high']:+.1f}]"
-
-
 def render(study: dict[str, Any]) -> str:
     lines = [f"`{study['command']}`: {study['steps']} steps each, seeds {study['seeds']}, MPP accuracy (%) of one "
              f"seeded draw of corruption of {study['count']} images of `{study['images']}`, mean ± std over seeds.",
              "", "| encoder | blocks | [mask]ed | replaced | kept | all corrupted | [mask]ed majority class |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in study["summary"]["rows"]:
-        cells = [percent(row[kind]) for kind in (*KINDS, "all", "majority")]
+        cells = [pct(row[kind]) for kind in (*KINDS, "all", "majority")]
         lines.append(f"| {LABELS[row['encoder']]} | {row['mode']} | " + " | ".join(cells) + " |")
     lines += ["", "[mask]ed accuracy against the pure ViT's, same seeds (paired; 95% interval over seeds):", ""]
     lines += [f"- {name}: {interval(value)}" for name, value in study["summary"]["leaks"].items()]
@@ -140,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["frozen", "trained"] if args.trained else ["frozen"]
     out = Path(args.out).absolute()
     results_folder = Path(args.results).absolute() if args.results else None
-    command = "python tools/leakage.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m experiments.leakage " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
     os.chdir(ROOT)  # the configs and the embedded shards are named relative to the project
     torch.set_num_threads(os.cpu_count() or 1)
     runs = [run_one(out, encoder, mode, seed, args) for mode in modes for encoder in ENCODERS for seed in seeds]

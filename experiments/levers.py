@@ -1,10 +1,10 @@
 """Which lever moves MPP ahead of training from scratch? The levers the paper names (learning rate,
-pretraining length, patch size, model size), each a study (tools/study.py) of the from-scratch and MPP
+pretraining length, patch size, model size), each a study (experiments.study) of the from-scratch and MPP
 arms at 1,000 labels over 3 seeds, every choice made on the validation split; then one table of them all.
 
-    python tools/levers.py                              # every lever, in runs/levers/<lever>
-    python tools/levers.py --results results/levers     # and the table, JSON and each study there
-    python tools/levers.py --levers default lr --plan   # what two levers would run
+    python -m experiments.levers                              # every lever, in runs/levers/<lever>
+    python -m experiments.levers --results results/levers     # and the table, JSON and each study there
+    python -m experiments.levers --levers default lr --plan   # what two levers would run
 
 The lever a user should take is the one whose MPP arm is best on validation (the mean over seeds of
 each final run's last validation accuracy): the test numbers of every lever are shown, but none of them
@@ -13,7 +13,7 @@ holds a study) it brings that study's finished runs over instead of running them
 lever brings the runs it shares with `default` (e.g. the from-scratch runs of longer pretraining).
 The default lever always runs: the others are measured beside it. Runs resume: the same command
 again goes on where it stopped. A lever whose every run a finished study already ran alike, and
-chose and scored alike, takes that study's numbers instead of running (covers in mpp.eval.study):
+chose and scored alike, takes that study's numbers instead of running (experiments.reuse.covers):
 its own earlier results (--results/<lever>/study.json, e.g. when its runs folder is gone) or a study
 named by --taken-from (default results/study, whose from-scratch and MPP arms are the default lever).
 """
@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import study as study_tool
-
-from mpp.eval.stats import summarise
-from mpp.eval.study import covers
+from experiments import study
+from experiments.report import interval, pct
+from experiments.reuse import covers
+from experiments.stats import summarise
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("scratch", "mpp")
@@ -73,7 +73,7 @@ def study_arguments(name: str, args: argparse.Namespace, out: Path) -> list[str]
 def taken(name: str, arguments: list[str], args: argparse.Namespace) -> tuple[Path, dict[str, Any]] | None:
     """(where, the study) of a finished study that ran every run of the lever's study alike: the lever's
     own earlier results (--results/<lever>) or one of --taken-from; None if none did."""
-    settings = study_tool.settings_from(study_tool.arguments().parse_args(arguments))
+    settings = study.settings_from(study.arguments().parse_args(arguments))
     folders = ([Path(args.results) / name] if args.results else []) + [Path(f) for f in args.taken_from]
     for folder in folders:
         path = folder / "study.json"
@@ -118,7 +118,6 @@ def summarise_levers(studies: dict[str, dict[str, Any]], quick: bool) -> dict[st
 
 
 def render(summary: dict[str, Any], command: str) -> str:
-    pct = study_tool.pct
     lines = [
         f"Made by `{command}`. {BUDGET:,} labels; mean ± std over seeds; MPP − scratch paired by seed, "
         "with its 95% interval.",
@@ -131,7 +130,7 @@ def render(summary: dict[str, Any], command: str) -> str:
         mpp, scratch = lever["arms"]["mpp"], lever["arms"]["scratch"]
         lines.append(
             f"| {name}: {lever['label']} | {pct(mpp['validation'])} | {pct(scratch['validation'])} | "
-            f"{pct(mpp['test'])} | {pct(scratch['test'])} | {study_tool.interval(lever['mpp - scratch'])} | "
+            f"{pct(mpp['test'])} | {pct(scratch['test'])} | {interval(lever['mpp - scratch'])} | "
             f"{mpp['lr']:g}, {scratch['lr']:g} |"
         )
     problems = [p for lever in summary["levers"].values() for p in lever["test_set"]["problems"]]
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="say what each lever's study would run, and stop")
     parser.add_argument("--results", help="also write the table, the JSON and each lever's study to this folder")
     args = parser.parse_args(argv)
-    command = "python tools/levers.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m experiments.levers " + " ".join(sys.argv[1:] if argv is None else argv)
     # The studies run in the project's folder; paths inside it are passed (and recorded) relative to it.
     args.out, args.reuse, args.results = (
         None if a is None else project_path(a) for a in (args.out, args.reuse, args.results)
@@ -181,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"levers: {name}: taken from {found[0]}/study.json, which ran every run of its study alike")
             studies[name] = found[1]
             continue
-        if study_tool.main(arguments + (["--plan"] if args.plan else [])) != 0:
+        if study.main(arguments + (["--plan"] if args.plan else [])) != 0:
             return 1
         if not args.plan:
             studies[name] = json.loads((out / name / "study.json").read_text())

@@ -1,12 +1,13 @@
 """Does masked patch prediction help? Arms over seeds and two label budgets, learning rates chosen
 on a held-out validation split, the test set read once per final run: a table with mean ± std, paired
-differences with 95% intervals, the ablation of the pretraining objective, and plots (mpp.eval.study).
+differences with 95% intervals, the ablation of the pretraining objective, and plots (the harness: experiments.settings, plan,
+runner, reuse, report).
 The arms: from scratch, from scratch with matched compute, MPP, supervised pretraining, and the hybrid
 (the demo ViT on a ResNet stem) from scratch and with MPP.
 
-    python tools/study.py                      # the embedded sample: 9,000 pool images, 1,000 held out
-    python tools/study.py --full               # all 60,000 FashionMNIST training images, 10,000 test
-    python tools/study.py --quick --out runs/study-quick   # a few steps, 2 seeds: the plumbing
+    python -m experiments.study                      # the embedded sample: 9,000 pool images, 1,000 held out
+    python -m experiments.study --full               # all 60,000 FashionMNIST training images, 10,000 test
+    python -m experiments.study --quick --out runs/study-quick   # a few steps, 2 seeds: the plumbing
 
 Splits of the embedded sample (10 shards of 1,000): validation train-000009; the unlabelled pool
 train-000000..8; fine-tuning labels train-000000 (1,000) or train-000000..8 (9,000); supervised
@@ -19,7 +20,7 @@ ablation and hybrid arms are off unless --ablation and --hybrid (the default stu
 Runs resume: the same command again skips finished runs and resumes the others from their last
 checkpoint. Every run folder (under --out/runs) has its log, config, metrics.csv and checkpoints.
 
-The levers (tools/levers.py runs them): --pretrain-steps, wider --finetune-lrs / --scratch-lrs, and
+The levers (python -m experiments.levers runs them): --pretrain-steps, wider --finetune-lrs / --scratch-lrs, and
 --set for every run's config (e.g. --set model.init_args.encoder.patch_size=7), each study in its own
 --out; --reuse runs/study brings over the finished runs it shares with that study instead of rerunning them.
 """
@@ -34,29 +35,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from mpp.eval.study import (  # noqa: E402
-    ARMS,
-    FIRST_ARMS,
-    VARIANTS,
-    Settings,
-    Splits,
-    extends,
-    note_arms,
-    outline,
-    reuse_runs,
-    run_study,
-    shared_runs,
-    steps_of,
-    summarise_study,
-)
-from mpp.shards.sources import FASHION_MNIST_DIR  # noqa: E402
+from experiments.plan import outline, steps_of
+from experiments.report import plot_accuracy, plot_curves, render, summarise_study
+from experiments.reuse import extends, note_arms, reuse_runs, shared_runs
+from experiments.runner import run_study
+from experiments.settings import ARMS, FIRST_ARMS, VARIANTS, Settings, Splits
+from mpp.shards.sources import FASHION_MNIST_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -157,141 +142,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
     )
 
 
-def pct(summary: dict[str, Any]) -> str:
-    """mean ± std in percent."""
-    return f"{100 * summary['mean']:.1f} ± {100 * summary['std']:.1f}"
-
-
-def interval(summary: dict[str, Any]) -> str:
-    low, high = summary["low"], summary["high"]
-    span = f"[{100 * low:+.1f}, {100 * high:+.1f}]" if low is not None else "(one seed)"
-    return f"{100 * summary['mean']:+.1f} pts {span}"
-
-
-def render(study: dict[str, Any], command: str) -> str:
-    """The study as markdown: per budget the arms and the paired differences, then the ablation."""
-    s = study["settings"]
-    shots = [f"{n}-shot" for n in s["shots"]]
-    n = len(s["seeds"])
-    lines = [f"Made by `{command}`.", ""]
-    for budget, numbers in study["budgets"].items():
-        lines += [f"### {int(budget):,} labels", ""]
-        header = ["arm", f"test top-1 (mean ± std, {n} seeds)", "lr (validation top-1 per lr)", *shots]
-        header += ["k-NN", "linear probe", "steps"]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for arm in numbers["arms"].values():
-            grid = ", ".join(f"{lr[2:]}: {100 * v:.1f}" for lr, v in arm["val_accuracy_by_lr"].items())
-            frozen = [pct(arm["frozen"][k]) for k in [*shots, "k-NN", "linear probe"]]
-            steps = f"{arm['pretrain_steps']} + {arm['steps']}" if arm["pretrain_steps"] else f"{arm['steps']}"
-            lines.append(
-                f"| {arm['label']} | {pct(arm['test_accuracy'])} | {arm['lr']:g} ({grid}) | "
-                + " | ".join(frozen)
-                + f" | {steps} |"
-            )
-        lines += ["", "| paired difference (test top-1) | mean [95% interval over seeds] |", "|---|---|"]
-        for pair, diff in numbers["differences"].items():
-            a, b = pair.split(" - ")
-            lines.append(f"| {ARMS[a]} − {ARMS[b]} | {interval(diff)} |")
-        lines += ["", "| frozen pretrained encoder | " + " | ".join([*shots, "k-NN", "linear probe"]) + " |"]
-        lines.append("|" + "---|" * (len(shots) + 3))
-        for key, scores in numbers["frozen_pretrained"].items():
-            cells = [pct(scores[k]) for k in [*shots, "k-NN", "linear probe"]]
-            lines.append(f"| {FROZEN_LABELS[key]} | " + " | ".join(cells) + " |")
-        lines.append("")
-    if study["ablation"]:
-        seeds = s["ablation_seeds"]
-        lines += [
-            f"### Ablation of the pretraining objective (frozen encoder, validation split, {seeds} seeds)",
-            "",
-            "| objective | " + " | ".join([*shots, "k-NN", "linear probe"]) + " |",
-            "|" + "---|" * (len(shots) + 3),
-        ]
-        for variant in study["ablation"].values():
-            cells = [pct(variant["validation"][k]) for k in [*shots, "k-NN", "linear probe"]]
-            lines.append(f"| {variant['label']} | " + " | ".join(cells) + " |")
-        lines.append("")
-    audit, wall = study["test_set"], study["wall_seconds"]
-    lines += [
-        f"Test set: read {audit['reads']} times by {audit['evaluations']} final evaluations, "
-        + (f"with problems: {'; '.join(audit['problems'])}." if audit["problems"] else "all after the last choice.")
-        + (
-            f" Arms added to the study later (their learning rates chosen on validation after the other arms' test "
-            f"reads): {', '.join(ARMS[a] for a in audit['arms_added_later'])}."
-            if audit.get("arms_added_later")
-            else ""
-        ),
-        f"Wall time: {wall['elapsed'] / 60:.0f} min over {wall['attempts']} invocation(s) "
-        f"(run time by kind: {', '.join(f'{k} {v / 60:.0f} min' for k, v in wall['jobs_by_kind'].items())})"
-        + (
-            f"; {study['reused']['runs']} finished runs brought from {', '.join(study['reused']['from'])}, not counted."
-            if study.get("reused", {}).get("runs")
-            else "."
-        ),
-    ]
-    return "\n".join(lines)
-
-
-FROZEN_LABELS = {"mpp": "MPP", "supervised": "supervised", "hybrid_mpp": "hybrid MPP"}
-
-
-def plot_accuracy(study: dict[str, Any], path: Path) -> None:
-    """Test top-1 per arm and budget: bars of the mean, error bars of the std over seeds."""
-    budgets = list(study["budgets"])
-    figure, axes = plt.subplots(figsize=(7, 4), dpi=120)
-    present = [arm for arm in ARMS if any(arm in b["arms"] for b in study["budgets"].values())]
-    width = 0.8 / len(present)
-    for index, arm in enumerate(present):
-        xs, means, stds = [], [], []
-        for position, budget in enumerate(budgets):
-            numbers = study["budgets"][budget]["arms"].get(arm)
-            if numbers:
-                xs.append(position + (index - (len(present) - 1) / 2) * width)
-                means.append(100 * numbers["test_accuracy"]["mean"])
-                stds.append(100 * numbers["test_accuracy"]["std"])
-        axes.bar(xs, means, width, yerr=stds, capsize=3, label=ARMS[arm])
-    axes.set_xticks(range(len(budgets)), [f"{int(b):,} labels" for b in budgets])
-    axes.set_ylabel("test top-1 (%)")
-    low = min(100 * a["test_accuracy"]["mean"] for b in study["budgets"].values() for a in b["arms"].values())
-    axes.set_ylim(max(0, low - 15), None)
-    axes.grid(axis="y", alpha=0.3)
-    axes.legend(fontsize=8, loc="lower right")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
-def plot_curves(study: dict[str, Any], path: Path) -> None:
-    """Validation top-1 against optimiser steps (pretraining included), mean over seeds with a ±std band."""
-    budgets = list(study["budgets"])
-    figure, all_axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4), dpi=120, squeeze=False)
-    for axes, budget in zip(all_axes[0], budgets):
-        for arm in study["budgets"][budget]["arms"].values():
-            curves = list(arm["val_curves"].values())
-            steps = [step for step, _ in curves[0]]
-            values = [[100 * v for _, v in curve] for curve in curves if len(curve) == len(steps)]
-            mean = [sum(column) / len(column) for column in zip(*values)]
-            std = [
-                (sum((v - m) ** 2 for v in column) / max(1, len(column) - 1)) ** 0.5
-                for column, m in zip(zip(*values), mean)
-            ]
-            (line,) = axes.plot(steps, mean, marker="o", markersize=3, label=arm["label"])
-            axes.fill_between(
-                steps,
-                [m - d for m, d in zip(mean, std)],
-                [m + d for m, d in zip(mean, std)],
-                color=line.get_color(),
-                alpha=0.2,
-            )
-        axes.set_title(f"{int(budget):,} labels")
-        axes.set_xlabel("optimiser steps, pretraining included")
-        axes.set_ylabel("validation top-1 (%)")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="all of FashionMNIST (from dataset-fashion-mnist)")
@@ -348,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     reuse = Path(args.reuse).absolute() if args.reuse else None
     results = Path(args.results).absolute() if args.results else None
     os.chdir(ROOT)  # the embedded shards and the configs are named relative to the project
-    command = "python tools/study.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m experiments.study " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
     settings = settings_from(args)
     if reuse is not None and not (reuse / "settings.json").is_file():
         raise SystemExit(f"study: --reuse {args.reuse} holds no study (no settings.json)")

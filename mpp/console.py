@@ -69,7 +69,7 @@ def quiet_wandb(loggers: list[Any]) -> None:
 EXAMPLES = (
     ("pretrain a small ViT on the embedded sample, no labels", "mpp fit --config configs/pretrain/demo.yaml"),
     ("fine-tune its encoder on labels", "mpp fit --config configs/finetune/demo.yaml"),
-    ("all three and the table: pretrained vs from scratch", "python tools/compare.py --out runs/demo"),
+    ("all three and the table: pretrained vs from scratch", "python -m experiments.compare --out runs/demo"),
 )
 
 

@@ -1,9 +1,11 @@
-"""What every test shares: the folders (workspace.ROOT, workspace.TESTS), the helper modules found
-by name (pyproject's pytest `pythonpath`: tests/ and tools/), and a process that can reach no
-W&B account: runs in the tests' own process log offline, whatever the machine's settings.
+"""What every test shares: the folders (workspace.ROOT, workspace.TESTS), the modules found by name
+(pyproject's pytest `pythonpath`: the project's folder for `experiments` and `benchmarks`, and tests/
+for the tests' own helpers), and a process that can reach no W&B account: runs in the tests' own
+process log offline, whatever the machine's settings.
 
 The tests mirror the package: tests/model, tests/shards, tests/data, tests/train, tests/eval;
-whole runs of the CLI, the configs, the README and the tools sit at the top.
+whole runs of the CLI, the configs, the README, the tools, the experiments and the benchmarks sit
+at the top.
 
 `make test` runs the suite on two worker processes (pytest-xdist), a file to a worker, since a file's
 tests share its module fixtures (the README's commands run in order in one user's folder). The files of

@@ -1,34 +1,37 @@
-"""The benchmark tools run in their smallest modes and end with their verdict; the FLOPs that
-MFU is computed from agree with torch's own FLOP counter."""
+"""The benchmarks (`python -m benchmarks.bench_*`) run in their smallest modes and end with their
+verdict, and each says how to use it; the FLOPs that MFU is computed from agree with torch's own FLOP
+counter."""
 
 from __future__ import annotations
 
 import re
+import runpy
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
-from bench_gpu import training_flops
-from benchkit import SHARD_TARGET
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from workspace import ROOT
 
+from benchmarks.bench_gpu import training_flops
+from benchmarks.kit import SHARD_TARGET
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
 
 RATIO = r"(\d+\.\d+)x"
+BENCHMARKS = sorted(path.stem for path in (ROOT / "benchmarks").glob("bench_*.py"))
 
 
 SMALLEST = {
-    "fit": ["tools/bench_fit.py", "--steps", "3", "--warmup", "1", "--repeats", "1", "--workers", "0"],
-    "memory": ["tools/bench_memory.py", "--few", "1", "--many", "2", "--per-shard", "4", "--workers", "1",
+    "fit": ["-m", "benchmarks.bench_fit", "--steps", "3", "--warmup", "1", "--repeats", "1", "--workers", "0"],
+    "memory": ["-m", "benchmarks.bench_memory", "--few", "1", "--many", "2", "--per-shard", "4", "--workers", "1",
                "--shuffle-buffers", "0", "--image-size", "8", "--side", "16", "--batch", "4"],
-    "gpu": ["tools/bench_gpu.py", "--smoke"],
+    "gpu": ["-m", "benchmarks.bench_gpu", "--smoke"],
     # Eager only: compiling even the demo model takes ~30 s an arm on two cores.
-    "precision": ["tools/bench_precision.py", "--batch", "4", "--repeats", "1", "--warmup", "1", "--no-compile"],
-    "resume": ["tools/bench_resume.py", "--shard-sizes", "2500", "--batches", "3", "--repeats", "1"],
+    "precision": ["-m", "benchmarks.bench_precision", "--batch", "4", "--repeats", "1", "--warmup", "1", "--no-compile"],
+    "resume": ["-m", "benchmarks.bench_resume", "--shard-sizes", "2500", "--batches", "3", "--repeats", "1"],
 }
 
 
@@ -112,3 +115,14 @@ def test_flop_count_matches_torch_flop_counter() -> None:
     assert counter.get_total_flops() / 2 == executed / 3  # per image, forward only
     vit_b16 = ViTConfig(image_size=224, patch_size=16, dim=768, depth=12, heads=12, mlp_dim=3072)
     assert abs(training_flops(vit_b16, corrupted=98, outputs=512) / 1e9 - 105.6) < 0.1
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # imported above, run again
+def test_every_benchmark_says_how_to_use_it(name: str, monkeypatch, capsys) -> None:
+    """`python -m benchmarks.<name> --help`, run as __main__ in this process."""
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module(f"benchmarks.{name}", run_name="__main__")
+    assert exit_.value.code in (0, None)
+    assert capsys.readouterr().out.startswith("usage:")

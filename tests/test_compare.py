@@ -1,4 +1,4 @@
-"""The comparison tool end to end on a tiny budget: pretrain, fine-tune, scratch, table and plot."""
+"""The comparison (python -m experiments.compare) end to end on a tiny budget: pretrain, fine-tune, scratch, table and plot."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from mpp.eval.linear import DEFAULTS
 def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
     env = environment()
     result = subprocess.run(
-        [sys.executable, "tools/compare.py", "--pretrain-steps", "2", "--steps", "3", "--out", str(tmp_path),
+        [sys.executable, "-m", "experiments.compare", "--pretrain-steps", "2", "--steps", "3", "--out", str(tmp_path),
          "--train", "shards/fashion-mnist/train-000000.tar", "--shots", "1", "5", "--frozen-train", "300"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )

@@ -171,5 +171,5 @@ def test_mpp_introduces_itself(capfd, monkeypatch):
     assert sorted((ROOT / "configs/model").glob("*.yaml")) == sorted(
         ROOT / "configs/model" / f"vit_{size}.yaml" for size in ["demo", "demo_hybrid", "ti", "s", "b", "b_r50", "l", "h"])
     for command in ("mpp fit --config configs/pretrain/demo.yaml", "mpp fit --config configs/finetune/demo.yaml",
-                    "python tools/compare.py --out runs/demo", "--model.help"):
+                    "python -m experiments.compare --out runs/demo", "--model.help"):
         assert command in text

@@ -9,9 +9,9 @@ import pytest
 import torch
 from workspace import ROOT
 
+from experiments.leakage import accuracy_by_kind
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
 from mpp.config import read_config
-from mpp.eval.leakage import accuracy_by_kind
 from mpp.model.corruption import MASKED
 
 HYBRID = replace(ViTConfig(**read_config(ROOT / "configs/model/vit_demo_hybrid.yaml"), image_size=28, patch_size=1,

@@ -1,4 +1,4 @@
-"""tools/levers.py --quick end to end: the default lever and longer pretraining, studies of the from-scratch
+"""python -m experiments.levers --quick end to end: the default lever and longer pretraining, studies of the from-scratch
 and MPP arms side by side; the longer pretraining brings the default's from-scratch runs over instead of
 running them again, and the lever is chosen on validation, not test."""
 
@@ -16,7 +16,7 @@ from workspace import ROOT, environment
 @pytest.mark.slow  # two quick studies, minutes on two cores
 def test_quick_levers_share_the_runs_they_have_in_common_and_choose_on_validation(tmp_path: Path) -> None:
     out = tmp_path / "levers"
-    command = [sys.executable, "tools/levers.py", "--quick", "--levers", "pretrain", "--out", str(out),
+    command = [sys.executable, "-m", "experiments.levers", "--quick", "--levers", "pretrain", "--out", str(out),
                "--reuse", str(tmp_path / "no-study"), "--results", str(tmp_path / "results")]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

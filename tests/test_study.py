@@ -1,10 +1,11 @@
-"""The study (tools/study.py, mpp.eval.study): its statistics against known values, its plan (which runs,
+"""The study (experiments.study and its harness): its statistics against known values, its plan (which runs,
 in which order, what each reads), and --quick end to end: every arm present, the JSON complete, no
 choice made on the test set, a second invocation resuming instead of rerunning."""
 
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 import time
@@ -15,24 +16,30 @@ import pytest
 import yaml
 from workspace import ROOT, environment
 
-from mpp.eval.stats import paired, summarise, t_quantile
-from mpp.eval.study import (
-    ARMS,
-    FIRST_ARMS,
-    VARIANTS,
-    Plan,
-    Settings,
-    Splits,
-    audit_test_reads,
-    covers,
-    extends,
-    metric_curve,
-    note_arms,
-    outline,
-    read_results,
-    reuse_runs,
-)
+from experiments.plan import Plan, outline
+from experiments.report import audit_test_reads
+from experiments.reuse import covers, extends, note_arms, reuse_runs
+from experiments.runner import metric_curve, read_results
+from experiments.settings import ARMS, FIRST_ARMS, VARIANTS, Settings, Splits
+from experiments.stats import paired, summarise, t_quantile
 
+STUDIES = ["compare", "study", "levers", "leakage"]
+
+
+def test_the_experiments_are_the_studies_and_their_harness() -> None:
+    run = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if "__main__" in p.read_text())
+    assert run == sorted(STUDIES)
+
+
+@pytest.mark.parametrize("name", STUDIES)
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # imported above, run again
+def test_every_study_says_how_to_use_it(name: str, monkeypatch, capsys) -> None:
+    """`python -m experiments.<name> --help`, run as __main__ in this process."""
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module(f"experiments.{name}", run_name="__main__")
+    assert exit_.value.code in (0, None)
+    assert capsys.readouterr().out.startswith("usage:")
 
 @pytest.mark.parametrize(("df", "expected"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (30, 2.0423)])
 def test_t_quantiles_are_the_tables(df: int, expected: float) -> None:
@@ -264,7 +271,7 @@ def test_the_outline_counts_every_run() -> None:
 
 STUDY_KILLED = """
 import os, sys, time
-from mpp.eval.study import worker_pool
+from experiments.runner import worker_pool
 pool = worker_pool(1)
 print(pool.submit(os.getpid).result(), flush=True)
 pool.submit(time.sleep, 600)  # a run that would go on long after the study
@@ -301,7 +308,7 @@ def test_a_study_killed_outright_leaves_no_worker_running() -> None:
 def test_quick_study_end_to_end(tmp_path: Path) -> None:
     """--quick without the hybrid arms, then with them added to the same study, then again: nothing left."""
     out = tmp_path / "study"
-    command = [sys.executable, "tools/study.py", "--quick", "--out", str(out)]
+    command = [sys.executable, "-m", "experiments.study", "--quick", "--out", str(out)]
     started = time.time()
     result = subprocess.run([*command, "--no-hybrid"], cwd=ROOT, env=environment(), capture_output=True, text=True,
                             timeout=900)  # fmt: skip

@@ -1,0 +1,18 @@
+"""The laboratory: studies of masked patch prediction, each a module run from the project's folder.
+
+    python -m experiments.compare --out runs/demo      # make demo: pretrain, fine-tune, from scratch, one table
+    python -m experiments.study --results results/study  # make study: arms x seeds x label budgets, error bars
+    python -m experiments.levers                       # the levers that may move MPP ahead of scratch
+    python -m experiments.leakage                      # does a hybrid's stem leak a [mask]ed token's colour?
+
+The harness the study and the levers run on, a concept to a file:
+
+    settings.py  the arms, the ablation's objectives, the splits and a study's Settings
+    plan.py      which jobs a study runs and in which order: choices on validation, then the test set
+    runner.py    each job an `mpp fit` / `mpp test` in a worker process and a folder of its own, resumable
+    reuse.py     what a study takes from work done: arms added, another study's runs, its numbers
+    report.py    the audit of test-set reads, the study's numbers, its table and plots
+    stats.py     mean, std and Student's t intervals over seeds, paired differences
+
+Nothing here is installed with mpp, and mpp imports none of it.
+"""

@@ -1,0 +1,282 @@
+"""Running a study: each job an `mpp fit` or `mpp test` (and frozen evaluations) in a worker process,
+in a folder of its own, resumable.
+
+A run's folder (`run_folder`) holds its log, config, checkpoints, metrics.csv and result.json; a study
+started again skips the jobs with a result and resumes the others from their last checkpoint (exactly,
+mpp.data.resume). Workers stop their run when the study that started them is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from experiments.plan import Job, Plan
+from experiments.settings import Settings
+
+WATCH_SECONDS = 1.0  # how often a worker looks whether its study is still there
+STOP_GRACE_SECONDS = 30.0  # then a worker whose study is gone exits, stopped or not
+
+
+def run_folder(out: Path, name: str) -> Path:
+    return out / "runs" / name
+
+
+def last_checkpoint(out: Path, name: str) -> Path:
+    return run_folder(out, name) / "checkpoints" / "last.ckpt"
+
+
+def read_results(out: Path) -> dict[str, dict]:
+    """{job name: result} of every finished job under `out`."""
+    runs = out / "runs"
+    found = {}
+    for path in runs.glob("**/result.json") if runs.is_dir() else []:
+        result = json.loads(path.read_text())
+        found[result["name"]] = result
+    return found
+
+
+def metric_curve(path: Path, metric: str) -> list[tuple[int, float]]:
+    """(step, value) of a metric in a CSV logger's metrics.csv, the step counted from 1 (the logger
+    writes the number of steps before, so a run of 500 validates last at 499); a step logged twice (a
+    resumed run repeats the steps after its checkpoint) keeps its last value."""
+    if not path.exists():
+        return []
+    values: dict[int, float] = {}
+    with path.open(newline="") as file:
+        for row in csv.DictReader(file):
+            if row.get(metric) not in (None, ""):
+                values[int(row["step"]) + 1] = float(row[metric])
+    return sorted(values.items())
+
+
+@contextlib.contextmanager
+def output_to(path: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (and its children's) to a file, at the descriptor level."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with path.open("a") as log:
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+        try:
+            yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
+def cli(args: list[str]) -> None:
+    """`mpp <args>` in this process; a failure raises."""
+    from mpp.cli import main
+
+    try:
+        main(args)
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise RuntimeError(f"mpp {args[0]} exited with {stop.code}") from None
+
+
+def run_outputs(folder: Path) -> list[str]:
+    """Overrides that keep a run's records, checkpoints and config in its folder: a CSV logger, and one
+    checkpoint callback (the configs' pictures, analyses and few-shot callbacks are left out: the
+    study evaluates every encoder itself)."""
+    logger = {
+        "class_path": "pytorch_lightning.loggers.CSVLogger",
+        "init_args": {"save_dir": str(folder), "name": "", "version": ""},
+    }
+    return [
+        "--trainer.default_root_dir", str(folder), "--trainer.logger", json.dumps(logger),
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    ]  # fmt: skip
+
+
+def checkpointing(folder: Path, every: int) -> list[str]:
+    callback = {
+        "class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+        "init_args": {
+            "dirpath": str(folder / "checkpoints"), "filename": "step{step:07d}", "auto_insert_metric_name": False,
+            "every_n_train_steps": every, "save_top_k": 0, "save_last": True, "enable_version_counter": False,
+        },
+    }  # fmt: skip
+    return ["--trainer.callbacks", json.dumps([callback])]
+
+
+def resolve(overrides: Sequence[str], out: Path) -> list[str]:
+    """`{run:NAME}` -> that run's last checkpoint."""
+    return [str(last_checkpoint(out, arg[5:-1])) if arg.startswith("{run:") else arg for arg in overrides]
+
+
+def frozen_scores(checkpoint: Path, shards: tuple[str, str], settings: Settings) -> dict[str, Any]:
+    from mpp.eval.frozen import evaluate_checkpoint
+
+    scores = evaluate_checkpoint(
+        str(checkpoint), train=shards[0], test=shards[1], shots=settings.shots, max_train=settings.frozen_max_train
+    )
+    return {
+        "fewshot": {str(n): a for n, a in scores.fewshot.items()},
+        "knn": scores.knn,
+        "linear": scores.linear,
+        "linear_l2": scores.linear_l2,
+        "train": scores.train,
+        "test": scores.test,
+    }
+
+
+def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
+    """Run one job (in a worker process) and write its result.json; returns the result."""
+    folder = run_folder(out, job.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    result: dict[str, Any] = {"name": job.name, "kind": job.kind}
+    with output_to(folder / "log.txt"):
+        if job.kind == "fit":
+            resume = last_checkpoint(out, job.name)
+            args = ["fit", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
+            args += checkpointing(folder, settings.checkpoint_every)
+            cli(args + (["--ckpt_path", str(resume)] if resume.exists() else []))
+            curve = metric_curve(folder / "metrics.csv", "val/accuracy")
+            result["val_curve"] = curve
+            result["val_accuracy"] = curve[-1][1] if curve else None
+        elif job.kind == "test":
+            args = ["test", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
+            args += ["--data.test", settings.splits.test, "--ckpt_path", str(last_checkpoint(out, job.checkpoint))]
+            note_test_read(out, job.name)
+            cli(args)
+            [(_, accuracy)] = metric_curve(folder / "metrics.csv", "test/accuracy")[-1:]
+            result["test_accuracy"] = accuracy
+        if job.frozen is not None:
+            checkpoint = last_checkpoint(out, job.checkpoint or job.name)
+            if job.kind == "frozen":
+                note_test_read(out, job.name)
+            result["frozen"] = frozen_scores(checkpoint, job.frozen, settings)
+    result["wall_seconds"] = time.perf_counter() - start
+    result["finished"] = time.time()
+    temporary = folder / "result.json.tmp"
+    temporary.write_text(json.dumps(result, indent=1))
+    temporary.replace(folder / "result.json")
+    return result
+
+
+def note_test_read(out: Path, name: str) -> None:
+    """Append a read of the test set to the study's record (one line, appended atomically)."""
+    line = json.dumps({"job": name, "time": time.time()}) + "\n"
+    fd = os.open(out / "test_reads.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _start_worker(threads: int, parent: int) -> None:
+    """A worker's set-up: its share of the cores, and a watch on the study that started it. A study killed
+    without the chance to stop its workers (`kill`, SIGKILL, a closed terminal) leaves them to init: they
+    would go on training and writing into run folders that a new invocation is already using. A worker
+    whose parent has changed stops its run with SIGTERM, as a scheduler would; the run resumes later."""
+    import threading
+
+    import torch
+
+    torch.set_num_threads(threads)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_SECONDS)
+        os.kill(os.getpid(), signal.SIGTERM)  # a fit stops at its next step, anything else at once
+        time.sleep(STOP_GRACE_SECONDS)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="study-parent-watch", daemon=True).start()
+
+
+def worker_pool(jobs: int) -> ProcessPoolExecutor:
+    """`jobs` worker processes, each with its share of the cores, that stop when the study is gone."""
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    return ProcessPoolExecutor(
+        jobs, mp_context=get_context("spawn"), initializer=_start_worker, initargs=(threads, os.getpid())
+    )
+
+
+@dataclass
+class Progress:
+    """What one invocation of the study ran: its start, its last record (its end once it ends) and the jobs it
+    finished."""
+
+    start: float = field(default_factory=time.time)
+    end: float | None = None
+    finished: list[str] = field(default_factory=list)
+
+
+def record_choices(out: Path, choices: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
+    """Write every choice made so far to choices.json, each with the time it was first made."""
+    path = out / "choices.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    for key, choice in choices.items():
+        if choice is None:
+            continue
+        if key in known and known[key]["lr"] == choice["lr"]:
+            choice = {**choice, "time": known[key]["time"]}
+        known[key] = {**choice, "time": choice.get("time", time.time())}
+    path.write_text(json.dumps(known, indent=1))
+    return known
+
+
+def run_study(settings: Settings, out: Path, *, jobs: int, say: Any = print) -> dict[str, dict]:
+    """Run every job of the study not yet finished under `out`, `jobs` at a time; returns all results."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan = Plan(settings)
+    results = read_results(out)
+    progress = Progress()
+    attempts_path = out / "attempts.json"
+    attempts = json.loads(attempts_path.read_text()) if attempts_path.exists() else []
+
+    def note_progress() -> None:  # after every job too, so that a killed invocation still counts
+        progress.end = time.time()
+        attempts_path.write_text(json.dumps([*attempts, asdict(progress)], indent=1))
+
+    note_progress()
+    running: dict[str, Future[dict[str, Any]]] = {}
+    failures: list[str] = []
+    with worker_pool(jobs) as pool:
+        while True:
+            record_choices(out, plan.all_choices(results))
+            ready, finished = plan.ready(results)
+            if finished or (failures and not running):
+                break
+            for job in ready:
+                if len(running) >= jobs or failures:
+                    break
+                if job.name not in running:
+                    say(f"study: start {job.name}")
+                    running[job.name] = pool.submit(run_job, job, out, settings)
+            if not running:
+                raise RuntimeError("the study cannot go on: no job is ready and none is running")
+            done, _ = wait(list(running.values()), return_when=FIRST_COMPLETED)
+            for name in [n for n, f in running.items() if f in done]:
+                future = running.pop(name)
+                try:
+                    results[name] = future.result()
+                except Exception as error:  # the others finish; the study stops after them
+                    failures.append(f"{name}: {error} (log: {run_folder(out, name) / 'log.txt'})")
+                    continue
+                progress.finished.append(name)
+                note_progress()
+                say(f"study: done {name} ({results[name]['wall_seconds']:.0f} s)")
+    note_progress()
+    if failures:
+        raise RuntimeError("study runs failed:\n" + "\n".join(failures))
+    return results
