@@ -1,14 +1,20 @@
-"""The README's commands, taken from README.md itself and run as written in a user's folder, shrunk
-by overrides appended after them (later options win): every `mpp` and `python tools/...` line in
-order, the torchrun recipe as one node of 2 CPU processes (gloo) streaming from a local S3 server,
-and the SLURM recipe as 2 local processes carrying SLURM's environment, streaming from a local
-GCS server. `make` lines set up and run everything else (the suite itself, the 11-minute demo run
-by the slow test_demo.py), so they are only checked to exist in the Makefile.
+"""The commands of README.md and docs/*.md, taken from the pages themselves and run as written in a
+user's folder, shrunk by overrides appended after them (later options win): every `mpp` and
+`python tools/...` line in order (the README's first, then each doc's), the console transcripts, the
+torchrun recipe of docs/distributed.md as one node of 2 CPU processes (gloo) streaming from a local
+S3 server, and its SLURM recipe as 2 local processes carrying SLURM's environment, streaming from a
+local GCS server. The `python -m experiments...` studies run shrunk or as their plan; the comparison
+and `python -m benchmarks...` lines must be modules whose `--help` takes the options the line gives.
+`make` lines set up and run everything else (the suite itself, the demo run by the slow
+test_demo.py), so they are only checked to exist in the Makefile. docs/own-images.md is run by
+test_own_images.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
 import os
 import pickle
@@ -19,7 +25,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +42,12 @@ from workspace import (
 )
 
 README = (ROOT / "README.md").read_text()
+# The pages whose commands run here, README first: a command's files come from the commands before it.
+PAGES = {
+    path.relative_to(ROOT).as_posix(): path.read_text()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    if path.name != "own-images.md"
+}
 SHRINK = [
     "--data.batch_size",
     "2",
@@ -73,14 +85,16 @@ def small_images(argv: list[str]) -> list[str]:
 
 
 KNOWN = ("mpp", "python", "torchrun", "srun", "export", "make", "#SBATCH", "#!/bin/bash")
+COMMAND_BLOCKS = ("", "bash", "sh", "shell", "console")  # ```text and ```yaml blocks hold no commands
 
 
 def code_blocks(text: str) -> list[list[str]]:
-    """The README's fenced code blocks, each as its lines with backslash continuations joined."""
+    """A page's fenced command blocks, each as its lines with backslash continuations joined."""
     blocks = []
-    for block in re.findall(r"^```[a-z]*\n(.*?)^```", text, flags=re.S | re.M):
-        lines = re.sub(r"\\\n\s*", "", block).splitlines()
-        blocks.append([line.strip() for line in lines if line.strip()])
+    for language, block in re.findall(r"^```([a-z]*)\n(.*?)^```", text, flags=re.S | re.M):
+        if language in COMMAND_BLOCKS:
+            lines = re.sub(r"\\\n\s*", "", block).splitlines()
+            blocks.append([line.strip() for line in lines if line.strip()])
     return blocks
 
 
@@ -111,26 +125,85 @@ def commands(text: str) -> list[list[str]]:
     return found
 
 
-COMMANDS = commands(README)
-MPP = [c for c in COMMANDS if c[0] == "mpp"]
-TOOLS = [c for c in COMMANDS if c[0] == "python"]
+def page_commands() -> list[tuple[str, list[str]]]:
+    """(page, command) of every page in order; a command a later page repeats runs once, where it first stands."""
+    seen: set[tuple[str, ...]] = set()
+    found = []
+    for page, text in PAGES.items():
+        for command in commands(text):
+            if command[0] in ("mpp", "python") and tuple(command) in seen:
+                continue
+            seen.add(tuple(command))
+            found.append((page, command))
+    return found
 
 
-def test_every_readme_command_is_one_this_file_runs() -> None:
-    """A command added to the README without a way to run it here fails this test."""
-    lines = [
-        line
-        for block in code_blocks(README)
-        if not block[0].startswith(("mpp/", "$ "))  # but the layout
-        for line in block
-        if not line.startswith("#") or line.startswith("#SBATCH")
-    ]
-    assert not [line for line in lines if line.split()[0] not in KNOWN]
+PAGE_COMMANDS = page_commands()
+COMMANDS = [command for _, command in PAGE_COMMANDS]
+MPP = [(page, c) for page, c in PAGE_COMMANDS if c[0] == "mpp"]
+TOOLS = [(page, c) for page, c in PAGE_COMMANDS if c[0] == "python" and c[1].startswith("tools/")]
+MODULES = [(page, c) for page, c in PAGE_COMMANDS if c[:2] == ["python", "-m"]]
+# Studies that take hours as written: run shrunk or as their plan (tool_arguments). The other modules'
+# lines (the comparison, the benchmarks) take minutes to hours too: their options are checked by --help.
+RUN_MODULES = ("experiments.study", "experiments.leakage", "experiments.levers")
+
+
+def command_id(value: object) -> str:
+    return " ".join(value)[:90] if isinstance(value, list) else str(value)
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub writes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_command_of_the_pages_is_one_this_file_runs() -> None:
+    """A command added to the README or a doc without a way to run it here fails this test."""
+    for page, text in PAGES.items():
+        lines = [
+            line
+            for block in code_blocks(text)
+            if not block[0].startswith(("mpp/", "$ "))  # but a layout
+            for line in block
+            if not line.startswith("#") or line.startswith("#SBATCH")
+        ]
+        assert not [line for line in lines if line.split()[0] not in KNOWN], page
+    python = [c for c in COMMANDS if c[0] == "python"]
+    assert all(c[1].startswith("tools/") or c[1:3][0] == "-m" for c in python), python
+    assert all(c[2].startswith(("experiments.", "benchmarks.")) for _, c in MODULES)
     makefile = (ROOT / "Makefile").read_text()
     for command in (c for c in COMMANDS if c[0] == "make"):
         assert re.search(rf"^{command[1]}:", makefile, flags=re.M), f"make {command[1]} is not a Makefile target"
-    assert len(MPP) >= 10 and len(TOOLS) >= 7
+    assert len(MPP) >= 10 and len(TOOLS) >= 7 and len(MODULES) >= 6
     assert sum(c[0] == "torchrun" for c in COMMANDS) == 1 and sum(c[0] == "srun" for c in COMMANDS) == 1
+
+
+def test_each_page_holds_what_it_promises() -> None:
+    """The README's two commands, the recipes in docs/distributed.md, the failing runs in docs/robustness.md."""
+    assert [c[:2] for c in commands(README) if c[0] == "make"] == [["make", "demo"], ["make", "test"]]
+    assert len(README) <= 12_000, f"README.md is {len(README)} characters: move detail to docs/"
+    distributed = commands(PAGES["docs/distributed.md"])
+    assert any(c[0] == "torchrun" for c in distributed) and any(c[0] == "srun" for c in distributed)
+    assert len(transcripts(PAGES["docs/robustness.md"])) >= 2
+    # What the README says `make demo` runs is what the Makefile's demo target runs.
+    said = re.search(r"`make demo` is `python ([^`]+)`", README)
+    recipe = re.search(r"^demo:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), flags=re.M)
+    assert said and recipe and recipe.group(1).endswith(f"python {said.group(1)}"), (said, recipe)
+
+
+def test_the_pages_links_lead_somewhere() -> None:
+    """Every relative link of the README and docs/ names a file that exists, and a heading where it names one."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            assert file.exists(), f"{page.name}: {target} does not exist"
+            if anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)
+                assert anchor in {slug(h) for h in headings}, f"{page.name}: {target} names no heading"
 
 
 @pytest.fixture(scope="module")
@@ -171,14 +244,21 @@ def checkpoint_step(path: Path) -> int:
     return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
 
 
-def slow_if_large(command: list[str]) -> object:
-    """ViT-L and larger fit in tens of seconds here: `make test-slow` runs them."""
-    large = any(re.fullmatch(r"configs/model/vit_[lh]\.yaml", c) for c in command)
-    return pytest.param(command, marks=pytest.mark.slow) if large else command
+def params(found: list[tuple[str, list[str]]]) -> list[object]:
+    """pytest parameters of (page, command), named by both; ViT-L and larger fit in tens of seconds here:
+    `make test-slow` runs them."""
+    return [
+        pytest.param(
+            command,
+            id=f"{page}: {command_id(command)}",
+            marks=[pytest.mark.slow] if any(re.fullmatch(r"configs/model/vit_[lh]\.yaml", c) for c in command) else [],
+        )
+        for page, command in found
+    ]
 
 
-@pytest.mark.parametrize("command", [slow_if_large(c) for c in MPP], ids=lambda c: " ".join(c)[:90])
-def test_readme_mpp_commands_run_as_written(user: Path, command: list[str]) -> None:
+@pytest.mark.parametrize("command", params(MPP))
+def test_mpp_commands_run_as_written(user: Path, command: list[str]) -> None:
     argv, redirect = list(command), None
     if ">" in argv:
         argv, redirect = argv[: argv.index(">")], argv[argv.index(">") + 1]
@@ -187,7 +267,7 @@ def test_readme_mpp_commands_run_as_written(user: Path, command: list[str]) -> N
     if resume:
         extra += ["--trainer.max_steps", "4"]  # two steps more than the run it resumes
     if "configs/trainer/gpu.yaml" in argv:
-        extra += ["--trainer.accelerator", "cpu"]  # no GPU here; the README says so
+        extra += ["--trainer.accelerator", "cpu"]  # no GPU here; the page says so
     if not any(re.fullmatch(r"configs/model/vit_[lh]\.yaml", arg) for arg in argv):  # ViT-L/H: slow, at full size
         extra += small_images(argv)
     result, seconds = run([console_script("mpp"), *argv[1:], *extra], user, env=user_env(user))
@@ -217,24 +297,31 @@ def test_readme_mpp_commands_run_as_written(user: Path, command: list[str]) -> N
         assert len(shown) >= 2 and set(shown) <= set(names), shown
 
 
-@pytest.mark.parametrize(
-    "command, last", transcripts(README), ids=lambda c: " ".join(c)[:90] if isinstance(c, list) else ""
-)
-def test_readme_transcripts_end_as_shown(user: Path, command: list[str], last: str) -> None:
-    """The README's console transcripts: each command, run as shown, ends with the line shown."""
+TRANSCRIPTS = [(command, last) for text in PAGES.values() for command, last in transcripts(text)]
+
+
+@pytest.mark.parametrize("command, last", TRANSCRIPTS, ids=command_id)
+def test_transcripts_end_as_shown(user: Path, command: list[str], last: str) -> None:
+    """The console transcripts: each command, run as shown, ends with the line shown."""
     result, _ = run([console_script("mpp"), *command[1:], *SHRINK], user, env=user_env(user))
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert lines[-1] == last
     assert result.returncode == 2
 
 
+def name(argv: list[str]) -> str:
+    """What a `python` line runs: `study` for `python -m experiments.study`, `fewshot` for `python tools/fewshot.py`."""
+    return argv[2].rsplit(".", 1)[-1] if argv[1] == "-m" else Path(argv[1]).stem
+
+
 def tool_arguments(argv: list[str]) -> list[str]:
-    """The tiny-input changes a tool line needs here: Debian's FashionMNIST files are not installed."""
-    if "fashion-mnist" in argv and argv[1].endswith("make_shards.py"):
+    """The tiny-input changes a `python` line needs here: Debian's FashionMNIST files are not installed."""
+    tool = name(argv)
+    if "fashion-mnist" in argv and tool == "make_shards":
         return ["--dir", "fashion-mnist-idx", "--limit", "20"]
-    if argv[1].endswith("fewshot.py"):
+    if tool == "fewshot":
         return ["--max-train", "500", "--max-test", "200", "--num-workers", "0"]
-    if argv[1].endswith("study.py"):  # --full needs Debian's FashionMNIST: what it would run, then
+    if tool == "study":  # --full needs Debian's FashionMNIST: what it would run, then
         if "--plan" in argv or "--full" in argv:
             return ["--plan"]
         # Two arms of the plan (all of them: tests/test_study.py's slow run), with their paired difference.
@@ -252,57 +339,98 @@ def tool_arguments(argv: list[str]) -> list[str]:
             "--out",
             "runs/study-readme",
         ]
-    if argv[1].endswith("leakage.py"):
+    if tool == "leakage":
         return ["--quick", "--out", "runs/leakage-readme"]
-    if argv[1].endswith("levers.py"):  # hours of runs: what each lever's study would run (run quick: test_levers)
+    if tool == "levers":  # hours of runs: what each lever's study would run (run quick: test_levers)
         return ["--plan"]
     return []
 
 
-@pytest.mark.parametrize("command", TOOLS, ids=lambda c: " ".join(c)[:90])
-def test_readme_tool_commands_run_as_written(user: Path, command: list[str]) -> None:
-    argv = [str(Path(c).expanduser()) if c.startswith("~") else c for c in command]
-    argv = [arg.replace(str(Path.home()), str(user)) for arg in argv]
-    result, _ = run([sys.executable, str(ROOT / argv[1]), *argv[2:], *tool_arguments(argv)], user, env=user_env(user))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    if argv[1].endswith("make_shards.py"):
+def check_output(user: Path, argv: list[str], stdout: str) -> None:
+    """What a `python` line's output must show, and the files it must leave."""
+    tool = name(argv)
+    if tool == "make_shards":
         out = Path(argv[argv.index("--out") + 1])
-        assert any((user / out).glob("*.json")), result.stdout
+        assert any((user / out).glob("*.json")), stdout
     if "--holdout" in argv:
         assert (user / "shards/photos-split/val.json").is_file() and (user / "shards/photos-split/train.json").is_file()
-    if argv[1].endswith("inspect_shards.py"):
-        assert "verified: 12 samples" in result.stdout
-    if argv[1].endswith("study.py"):
+    if tool == "inspect_shards":
+        assert "verified: 12 samples" in stdout
+    if tool == "study":
         shown = {
             "--full": "in all: 40 runs, 14,000 optimiser steps",
             "--plan": "in all: 125 runs, 46,200 optimiser steps",
         }
-        assert (
-            next(
-                (line for flag, line in shown.items() if flag in argv), "| MPP pretrained, fine-tuned − from scratch |"
-            )
-            in result.stdout
+        expected = next(
+            (line for flag, line in shown.items() if flag in argv), "| MPP pretrained, fine-tuned − from scratch |"
         )
-    if argv[1].endswith("study.py") and "--results" in argv and "--full" not in argv:
+        assert expected in stdout
+    if tool == "study" and "--results" in argv and "--full" not in argv:
         assert (user / argv[argv.index("--results") + 1] / "study.json").is_file()
-    if argv[1].endswith("leakage.py"):
-        assert "| hybrid, mask_pixels | frozen |" in result.stdout and "hybrid - vit, frozen: " in result.stdout
+    if tool == "leakage":
+        assert "| hybrid, mask_pixels | frozen |" in stdout and "hybrid - vit, frozen: " in stdout
         assert (user / argv[argv.index("--results") + 1] / "leakage.json").is_file()
-    if argv[1].endswith("levers.py"):
-        assert (
-            "levers: wide: a wider encoder" in result.stdout
-            and "in all: 23 runs, 12,700 optimiser steps" in result.stdout
-        )
-    if argv[1].endswith("fewshot.py"):
-        assert "(500 train / 200 test images" in result.stdout and re.search(r"^\| 25 \| \d+\.\d%", result.stdout, re.M)
+    if tool == "levers":
+        assert "levers: wide: a wider encoder" in stdout and "in all: 23 runs, 12,700 optimiser steps" in stdout
+    if tool == "fewshot":
+        assert "(500 train / 200 test images" in stdout and re.search(r"^\| 25 \| \d+\.\d%", stdout, re.M)
 
 
-TOOLS_RUN = sorted(p.name for p in (ROOT / "tools").glob("*.py") if "__main__" in p.read_text())
+@pytest.mark.parametrize("command", params(TOOLS))
+def test_tool_commands_run_as_written(user: Path, command: list[str]) -> None:
+    argv = [str(Path(c).expanduser()) if c.startswith("~") else c for c in command]
+    argv = [arg.replace(str(Path.home()), str(user)) for arg in argv]
+    result, _ = run([sys.executable, str(ROOT / argv[1]), *argv[2:], *tool_arguments(argv)], user, env=user_env(user))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    check_output(user, argv, result.stdout)
 
 
-def test_the_tools_folder_holds_tools_and_their_one_kit() -> None:
-    """Every file in tools/ is a script a user runs, but benchkit.py, which the benchmarks share."""
-    assert sorted(p.name for p in (ROOT / "tools").glob("*.py")) == sorted([*TOOLS_RUN, "benchkit.py"])
+@pytest.mark.parametrize("command", params([(page, c) for page, c in MODULES if c[2] in RUN_MODULES]))
+def test_study_commands_run_shrunk(user: Path, command: list[str]) -> None:
+    """The studies as the pages write them, from the checkout (experiments/ is not installed), shrunk."""
+    pythonpath = os.pathsep.join([str(ROOT), environment()["PYTHONPATH"]])
+    argv = [sys.executable, "-m", command[2], *command[3:], *tool_arguments(command)]
+    result, _ = run(argv, user, env=user_env(user, PYTHONPATH=pythonpath))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    check_output(user, command, result.stdout)
+
+
+@pytest.fixture(scope="module")
+def usage() -> Callable[[str], str]:
+    """`python -m <module> --help` of a module of the checkout, run as __main__ in this process, once each."""
+    seen: dict[str, str] = {}
+
+    def usage_of(module: str) -> str:
+        if module not in seen:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.syspath_prepend(str(ROOT))
+                patch.setattr(sys, "argv", [module, "--help"])
+                out = io.StringIO()
+                with pytest.raises(SystemExit) as exit_, contextlib.redirect_stdout(out):
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                assert exit_.value.code in (0, None), module
+            seen[module] = out.getvalue()
+        return seen[module]
+
+    return usage_of
+
+
+@pytest.mark.parametrize("command", params([(page, c) for page, c in MODULES if c[2] not in RUN_MODULES]))
+def test_module_commands_take_the_options_shown(usage: Callable[[str], str], command: list[str]) -> None:
+    """The comparison and benchmark lines run minutes to hours: each names a module of the checkout
+    whose `--help` parses and lists every option the line gives."""
+    text = usage(command[2])
+    assert text.startswith("usage:"), text[:500]
+    options = [arg.split("=", 1)[0] for arg in command[3:] if arg.startswith("--")]
+    assert [option for option in options if not re.search(rf"{re.escape(option)}\b", text)] == [], text
+
+
+TOOLS_RUN = sorted(p.name for p in (ROOT / "tools").glob("*.py"))
+
+
+def test_the_tools_folder_holds_the_users_scripts() -> None:
+    """Every file in tools/ is a script a user runs (the studies are in experiments/, the benchmarks in benchmarks/)."""
+    assert [tool for tool in TOOLS_RUN if "__main__" not in (ROOT / "tools" / tool).read_text()] == []
 
 
 @pytest.mark.parametrize("tool", TOOLS_RUN)

@@ -22,9 +22,8 @@ TESTS = Path(__file__).parent
 # bf16 would be emulated there, and mpp.precision says so (float32 is what such a run takes).
 NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
-# Shard sets the shipped configs and README name by default: (folder, prefix, shards, labelled).
-DEFAULT_SHARDS = [("my-images", "train", 1024, False), ("imagenet", "train", 1024, True),
-                  ("imagenet", "val", 64, True)]
+# Shard sets the shipped configs, the README and docs/ name by default: (folder, prefix, shards, labelled).
+DEFAULT_SHARDS = [("my-images", "train", 1024, False), ("imagenet", "train", 1024, True), ("imagenet", "val", 64, True)]
 
 
 def make_workspace(folder: Path) -> Path:
@@ -43,10 +42,18 @@ def make_workspace(folder: Path) -> Path:
 
 def environment(**extra: str) -> dict[str, str]:
     """The environment of a run: W&B offline, no credentials of this machine, the tests' probes importable."""
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("WANDB_", "AWS_", "SLURM_", "GOOGLE_"))}
-    env.update({"WANDB_MODE": "offline", "WANDB_SILENT": "true",
-                "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("WANDB_", "AWS_", "SLURM_", "GOOGLE_"))
+    }
+    env.update(
+        {
+            "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true",
+            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        }
+    )
     env.update(extra)
     return env
 
@@ -56,12 +63,12 @@ def console_script(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-def run(argv: list[str], cwd: Path, *, env: dict[str, str] | None = None, timeout: float = 400
-        ) -> tuple[subprocess.CompletedProcess, float]:
+def run(
+    argv: list[str], cwd: Path, *, env: dict[str, str] | None = None, timeout: float = 400
+) -> tuple[subprocess.CompletedProcess, float]:
     """Run a command in the workspace -> (result, seconds)."""
     start = time.monotonic()
-    result = subprocess.run(argv, cwd=cwd, env=env or environment(), capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(argv, cwd=cwd, env=env or environment(), capture_output=True, text=True, timeout=timeout)
     return result, time.monotonic() - start
 
 
@@ -71,14 +78,24 @@ def unexplained_lines(out: str) -> tuple[list[str], dict[str, list[str]]]:
     The progress bar redraws with carriage returns: each line's last drawing is what stays on screen.
     """
     lines = [line.split("\r")[-1] for line in out.splitlines()]
-    lines = [line for line in lines if re.sub(r"\x1b\[\w", "", line).strip()
-             and not re.match(r"\s*(Epoch \d+|Validation|Sanity|Training|Testing)", line)]
+    lines = [
+        line
+        for line in lines
+        if re.sub(r"\x1b\[\w", "", line).strip()
+        and not re.match(r"\s*(Epoch \d+|Validation|Sanity|Training|Testing)", line)
+    ]
     sources = {
         "mpp": [line for line in lines if line.startswith("mpp: ")],
         "wandb": [line for line in lines if re.match(r"(\x1b\[[\d;]*m)?wandb", line)],
-        "lightning": [line for line in lines
-                      if re.match(r"(Seed set|GPU available|TPU available|Using bfloat16 Automatic|`Trainer.fit` stopped|Restoring states|"
-                                  r"Restored all states|\s*\||\d+ |-{10,}|\s*\d+\.\d+ +Total)", line)],
+        "lightning": [
+            line
+            for line in lines
+            if re.match(
+                r"(Seed set|GPU available|TPU available|Using bfloat16 Automatic|`Trainer.fit` stopped|Restoring states|"
+                r"Restored all states|\s*\||\d+ |-{10,}|\s*\d+\.\d+ +Total)",
+                line,
+            )
+        ],
     }
     known = {line for group in sources.values() for line in group}
     return [line for line in lines if line not in known], sources
