@@ -1,5 +1,5 @@
 """A user's folder for whole-run tests: the project's configs and embedded shards, plus tiny shards
-at every path the shipped configs and the README name, so their commands run unchanged there.
+at every path the shipped configs, the README and docs/ name, so their commands run unchanged there.
 
 Commands run with this folder as their working directory, so every relative path they write
 (`runs/...`, `shards/...`, `my_run.yaml`) lands inside it.
