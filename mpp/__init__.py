@@ -57,7 +57,7 @@ MOVED = {
     "mpp.checkpointing": "mpp.train.checkpoint_io",
     "mpp.wandb_run": "mpp.train.wandb_run",
     "mpp.fewshot": "mpp.eval.fewshot",
-    "mpp.wandb_records": "mpp.eval.records",
+    "mpp.wandb_records": "mpp.train.wandb_records",
     "mpp.stream": "mpp.data.stream",
     "mpp.transforms": "mpp.data.transforms",
     "mpp.storage": "mpp.data.remote",

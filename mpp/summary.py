@@ -11,9 +11,9 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
 
-from mpp.eval.records import run_folders
 from mpp.model.vit import ViTConfig
 from mpp.train.optim import global_batch_size
+from mpp.train.wandb_records import run_folders
 
 
 def patches_of(encoder: ViTConfig) -> str:

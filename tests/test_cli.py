@@ -17,8 +17,8 @@ from workspace import ROOT, environment
 
 from mpp.cli import main
 from mpp.config import read_config
-from mpp.eval.records import config as wandb_config
-from mpp.eval.records import history
+from mpp.train.wandb_records import config as wandb_config
+from mpp.train.wandb_records import history
 
 DEMO = ROOT / "configs" / "pretrain" / "demo.yaml"
 QUICK = [

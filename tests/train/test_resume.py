@@ -22,8 +22,8 @@ from probes import records
 from shardkit import sample, write_shard
 from workspace import environment, make_workspace
 
-from mpp.eval.records import history, run_folders
 from mpp.shards.format import shard_name, shard_pattern
+from mpp.train.wandb_records import history, run_folders
 
 MAX_STEPS = 16  # a multiple of EVERY: last.ckpt holds the final step
 EVERY = 4  # checkpoint interval: the kill at step 10 falls after the one at step 8

@@ -16,15 +16,15 @@ from probes import digest, records
 from shardkit import write_shards
 from workspace import TESTS
 
-from mpp.eval.records import (
+from mpp.train.optim import warmup_cosine
+from mpp.train.wandb_records import (
     FILE_HEADER,
     history,
     read_records,
     run_folders,
     run_history,
 )
-from mpp.eval.records import records as wandb_records
-from mpp.train.optim import warmup_cosine
+from mpp.train.wandb_records import records as wandb_records
 
 PER_SHARD = 6
 
