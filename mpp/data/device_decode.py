@@ -3,18 +3,12 @@
 A GPU node's CPUs decode a few hundred JPEGs a second each, fewer than the GPU trains on. With
 ShardDataModule(decode="device") a worker reads a JPEG's header only (its size, for the crop and
 the max_image_pixels check), draws its crop box and flip with the CPU path's calls on the
-stream's rng, and sends the bytes. In the data module's transfer_batch_to_device the batch's
+stream's rng, and sends the bytes, packed with their boxes and flips under the batch's "jpegs"
+(mpp.data.batches.StreamBatch). In the data module's transfer_batch_to_device the batch's
 JPEGs are then decoded together on the batch's device (torchvision.io.decode_jpeg: batched
 nvjpeg on CUDA, libjpeg on the CPU), and each is cropped, resized and flipped here. Other
 images (PNG, CMYK JPEGs, ...) are finished in the worker as on the CPU path and travel decoded.
 
-A worker's batch, as it reaches the device:
-    "image":   uint8 (F, C, H, W), the samples finished in the worker
-    "label":   int64 (B,), every sample's, in the stream's order
-    "skipped": int64 ()
-    "jpegs":   Jpegs: the other B - F samples' bytes end to end (uint8, pinned with the rest)
-               and one Crop each (its place in the batch, box, flip), plain Python values
-               that no precision plugin converts
 `finish_on_device` makes of it the batch every module gets, on the device, in the stream's
 order: {"image": uint8 (B', C, H, W), "label": (B',), "skipped"}. A JPEG that the device cannot
 decode is decoded by the CPU path in this process; one that fails there too is dropped and
@@ -39,53 +33,19 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from mpp.data.transforms import DECODE_ERRORS, Box, EncodedJpeg, ImageTransform
+from mpp.data.batches import Batch, Crop, StreamBatch
+from mpp.data.transforms import DECODE_ERRORS, Box, ImageTransform
 from mpp.errors import ConfigError
 from mpp.secrets import redact
 
 log = logging.getLogger(__name__)
 
 EXTRA = "gpu-decode"  # the package extra that installs torchvision (pyproject.toml)
-
-
-class Crop(NamedTuple):
-    """One encoded JPEG of a batch: where it goes, its length in Jpegs.data, what to cut from it."""
-
-    at: int  # its place among the batch's samples
-    size: int
-    # The crop box, field by field: a DataLoader hands plain tuples on as lists.
-    left: float
-    top: float
-    right: float
-    bottom: float
-    flip: bool
-    name: str  # "sample <key> of <shard>", for messages
-
-    @property
-    def box(self) -> Box:
-        return (self.left, self.top, self.right, self.bottom)
-
-
-class Jpegs(NamedTuple):
-    """A batch's encoded JPEGs: their bytes end to end, uint8 (N,), and one Crop each."""
-
-    data: Tensor
-    crops: list[Crop]
-
-
-def pack_jpegs(examples: Sequence[object]) -> Jpegs:
-    """The encoded JPEGs among a batch's examples -> Jpegs (in the worker)."""
-    jpegs = [(at, example) for at, example in enumerate(examples) if isinstance(example, EncodedJpeg)]
-    data = bytearray().join(jpeg.data for _, jpeg in jpegs)
-    crops = [Crop(at, len(jpeg.data), *jpeg.box, jpeg.flip, jpeg.name) for at, jpeg in jpegs]
-    return Jpegs(torch.frombuffer(data, dtype=torch.uint8), crops)
 
 
 def torchvision_io() -> ModuleType:
@@ -99,13 +59,13 @@ def torchvision_io() -> ModuleType:
         ) from error
 
 
-def finish_on_device(batch: dict[str, Any], device: torch.device, transform: ImageTransform) -> dict[str, Tensor]:
+def finish_on_device(batch: StreamBatch, device: torch.device, transform: ImageTransform) -> Batch:
     """A worker's batch with encoded JPEGs -> {"image": uint8 (B', C, H, W), "label", "skipped"} on `device`.
 
     `transform` is the CPU path for the JPEGs the device cannot decode (any split's will do:
     the boxes and flips were drawn in the worker).
     """
-    jpegs: Jpegs = batch["jpegs"]
+    jpegs = batch["jpegs"]
     labels, count = batch["label"], len(batch["label"])
     images = torch.empty((count, transform.channels, *transform.size), dtype=torch.uint8, device=device)
     encoded_at = {crop.at for crop in jpegs.crops}

@@ -1,15 +1,8 @@
 """ShardDataModule: WebDataset tar shards -> decoded, augmented uint8 batches.
 
-A batch is a dict:
-    "image":   uint8 (B, C, H, W), raw pixels (the model normalises them itself)
-    "label":   int64 (B,), -1 for samples without a `.cls` member
-    "skipped": int64 (), samples dropped since the worker's previous batch (undecodable
-               image, one over max_image_pixels, no image member, a tar that broke off:
-               one each); summed over batches, the total.
-    "position": the worker's ResumePoint as the batch was completed (mpp.data.resume); the
-               data module notes it and drops it as the batch moves to the device.
-In evaluation on several ranks, B is 0 for the batches a rank runs while it waits, in step,
-for the ranks that still have samples (ShardLoader); modules log nothing for them.
+A batch is a dict, typed mpp.data.batches.Batch: "image" uint8 (B, C, H, W), "label" int64 (B,)
+(-1 unlabelled), "skipped" int64 (); the loader's "position" (and with decode="device",
+"jpegs") are taken off as the batch moves to the device.
 
 Shards are split over ranks (rank and world size from the trainer) and then over DataLoader
 workers. Without `resampled`, each sample is read once per epoch across all ranks x workers;
@@ -28,30 +21,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
 
+from mpp.data.batches import StreamBatch
 from mpp.data.device_decode import finish_on_device, torchvision_io
-from mpp.data.loader import ShardLoader
-from mpp.data.stream import Decode, ShardStream
-from mpp.data.transforms import ImageTransform
+from mpp.data.loader import ShardLoader, gather_ranks
+from mpp.data.stream import Decode, StreamSettings
+from mpp.data.transforms import Encoder, ImageTransform, fitted_shape, pair
 from mpp.data.urls import check_repeated, expand_urls
 from mpp.errors import ConfigError
-from mpp.model.pixels import pair
-from mpp.model.vit import ViTConfig
 from mpp.secrets import redact, redact_tree
 from mpp.shards.images import DEFAULT_MAX_PIXELS
 
 log = logging.getLogger(__name__)
 
 ShardSpec = str | list[str]
-
-
-def _plain(value: object) -> object:
-    """A size as a user writes it: 224 for (224, 224)."""
-    return value[0] if isinstance(value, tuple) and len(set(value)) == 1 else value
 
 
 def _require(ok: bool, name: str, value: object, wanted: str) -> None:
@@ -179,7 +166,7 @@ class ShardDataModule(pl.LightningDataModule):
         *,
         rank: int | None = None,
         world_size: int | None = None,
-        encoder: ViTConfig | None = None,
+        encoder: Encoder | None = None,
     ) -> None:
         """Expand and check the shards a stage needs; rank/world size default to the trainer's, else 0/1,
         and the encoder whose image size and channels the images take to the trainer's module's."""
@@ -191,7 +178,7 @@ class ShardDataModule(pl.LightningDataModule):
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if encoder is None and self.trainer is not None:
             encoder = getattr(self.trainer.lightning_module, "encoder_config", None)
-        size, channels = self._fit_the_encoder(encoder)
+        size, channels = fitted_shape(self.image_size, self.channels, encoder)
         splits = self._expand(stage)
         scale, ratio, hflip = self._augment
         self.train_transform = ImageTransform(
@@ -221,11 +208,11 @@ class ShardDataModule(pl.LightningDataModule):
                 self.world_size,
             )
 
-    def check(self, stage: str | None = None, *, encoder: ViTConfig | None = None) -> None:
+    def check(self, stage: str | None = None, *, encoder: Encoder | None = None) -> None:
         """What setup would refuse, found before a run starts (and before its loggers do): images whose
         size or channels differ from the encoder's, a split the stage needs and is not given, shards
         that do not exist or are named twice."""
-        self._fit_the_encoder(encoder)
+        fitted_shape(self.image_size, self.channels, encoder)
         self._expand(stage)
 
     def _expand(self, stage: str | None) -> tuple[str, ...]:
@@ -243,19 +230,6 @@ class ShardDataModule(pl.LightningDataModule):
                 except (OSError, ValueError) as error:
                     raise ConfigError(redact(f"data.{split}: {error}")) from error
         return splits
-
-    def _fit_the_encoder(self, encoder: ViTConfig | None) -> tuple[tuple[int, int], int]:
-        """(H, W) and channels of the images: as set, else the encoder's; a mismatch is an error."""
-        if encoder is None:
-            return self.image_size or (224, 224), self.channels or 3
-        size, channels = pair(encoder.image_size), encoder.channels
-        for name, value, wanted in (("image_size", self.image_size, size), ("channels", self.channels, channels)):
-            if value is not None and value != wanted:
-                raise ValueError(
-                    f"data.{name}={_plain(value)} does not fit the encoder's model.init_args.encoder.{name}="
-                    f"{_plain(wanted)}: leave data.{name} unset (it follows the encoder) or make the two equal"
-                )
-        return size, channels
 
     def set_epoch(self, epoch: int, *, step: int = 0) -> None:
         """Choose the epoch that seeds shard order and augmentation, and the global step a training
@@ -296,8 +270,8 @@ class ShardDataModule(pl.LightningDataModule):
                     f"samples_per_epoch={self.samples_per_epoch} is less than one batch of "
                     f"{self.batch_size} on each of {self.world_size} ranks"
                 )
-        stream = ShardStream(
-            urls=self.urls[split],
+        settings = StreamSettings(
+            urls=tuple(self.urls[split]),
             rank=self.rank,
             world_size=self.world_size,
             batch_size=self.batch_size,
@@ -311,13 +285,13 @@ class ShardDataModule(pl.LightningDataModule):
         )
         position = self._training_position if train else self._eval_position
         loader = ShardLoader(
-            stream,
+            settings,
             split=split,
             num_workers=self.num_workers,
             position=position,
             num_batches=num_batches,
             in_step=None if train else self._any_rank(),
-            gather=_gather_ranks if self.world_size > 1 else None,
+            gather=gather_ranks if self.world_size > 1 else None,
         )
         if train:
             self._train_loader = loader
@@ -328,12 +302,14 @@ class ShardDataModule(pl.LightningDataModule):
         resume point is noted for the next checkpoint, and a batch with encoded JPEGs (decode="device")
         is finished there. (Not on_before_batch_transfer: Lightning would then skip a module's own,
         ImageClassifier's.)"""
-        if isinstance(batch, dict) and "position" in batch:
-            if self._train_loader is not None and self.trainer is not None and self.trainer.training:
-                self._train_loader.trained(batch)
-            batch.pop("position", None)
-        if isinstance(batch, dict) and "jpegs" in batch:
-            return finish_on_device(batch, device, self.eval_transform)
+        if isinstance(batch, dict):
+            ours = cast(StreamBatch, batch)  # as a ShardLoader yielded it: Lightning hands it on untyped
+            if "position" in ours:
+                if self._train_loader is not None and self.trainer is not None and self.trainer.training:
+                    self._train_loader.trained(ours)
+                ours.pop("position", None)
+            if "jpegs" in ours:
+                return finish_on_device(ours, device, self.eval_transform)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def _any_rank(self) -> Callable[[bool], bool] | None:
@@ -349,12 +325,3 @@ def run_shards(trainer: pl.Trainer) -> dict[str, ShardSpec | None]:
     what evaluation callbacks read when they are not given shards of their own."""
     data = getattr(trainer, "datamodule", None)
     return dict(data.specs) if isinstance(data, ShardDataModule) else {}
-
-
-def _gather_ranks(value: Any) -> list[Any]:
-    """Every rank's `value`, in rank order (all ranks call it, as Lightning dumps a checkpoint on all)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [value]
-    values: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(values, value)
-    return values

@@ -1,36 +1,36 @@
 """Where a training stream is, so that a run killed mid-epoch resumes on the very next sample.
 
 A DataLoader worker reads shards in an order, groups their members into samples, shuffles them
-in a buffer and decodes them into batches. Every sample is named by its coordinates: the index
-of its shard in the worker's order and its index in that shard. When a batch is complete the
-worker notes its `ResumePoint`: the next sample it would read, the coordinates of the samples in
-its buffer (in buffer order), which shards those come from, and the state of its random
-generator (shard draws, buffer picks and augmentation all draw from it). The batch carries the
-point to the main process, where ShardLoader keeps the point of the last batch each worker had
-trained on; that goes into the checkpoint.
+in a buffer and decodes them into batches (mpp.data.samples names every sample by its
+coordinates: the index of its shard in the worker's order and its index in that shard). When a
+batch is complete the worker notes its `ResumePoint`: the next sample it would read, the
+coordinates of the samples in its buffer (in buffer order), which shards those come from, and
+the state of its random generator (shard draws, buffer picks and augmentation all draw from it).
+The batch carries the point to the main process, where ShardLoader keeps, in an `EpochState`, the
+point of the last batch each worker had trained on; that goes into the checkpoint.
 
-Resuming, a worker rereads the shards its buffer's samples came from, keeps those samples (no
-image is decoded), reopens its current shard at the next sample and sets its generator's state:
-it then yields what it would have yielded had the run not stopped. Images are never pickled
-into a checkpoint; the cost is reading those shards again (`replay`, measured by
+Resuming, a worker `replay`s: it rereads the shards its buffer's samples came from, keeps those
+samples (no image is decoded), reopens its current shard at the next sample and sets its
+generator's state: it then yields what it would have yielded had the run not stopped. Images are
+never pickled into a checkpoint; the cost is reading those shards again (measured by
 tools/bench_resume.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-Coordinate = tuple[int, int]  # (shard index in the worker's order, sample index in that shard)
-Sample = dict[str, Any]
+from mpp.data.samples import Coordinate, Sample, ShardReader, ShuffleBuffer, Skips
+
+# In the worker: its point after a batch, and the replay that rebuilds its stream from one.
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResumePoint:
     """One worker's position after a batch: enough to rebuild its stream from the shards.
 
@@ -47,6 +47,14 @@ class ResumePoint:
     buffer: np.ndarray
     shards: dict[int, int]
     rng: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, role: int, reader: ShardReader, buffer: ShuffleBuffer) -> ResumePoint:
+        """Where the worker playing `role` is now: its reader's next sample, its buffer, its generator."""
+        coordinates = buffer.coordinates()
+        named = {int(j) for j in coordinates[:, 0]} | {reader.next[0]}
+        shards = {j: at for j in named if (at := reader.shard_known(j)) is not None}
+        return cls(role, reader.next, coordinates, shards, reader.rng.getstate())
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for a checkpoint (torch.load with weights_only reads it)."""
@@ -75,40 +83,94 @@ def _plain_state(state: tuple[Any, ...]) -> list[Any]:
     return [version, list(internal), gauss]
 
 
+class ResumeError(RuntimeError):
+    """A resume point names samples its shards no longer hold."""
+
+
+def replay(reader: ShardReader, point: ResumePoint, buffer: ShuffleBuffer) -> Iterator[tuple[Coordinate, Sample]]:
+    """Rebuild a worker's stream at `point`: refill `buffer` from the shards its samples came from (read
+    again, nothing decoded), take up the generator's state and the shard draws, and read on from
+    `point.next`. The shards before the current one are reread now; the current one's start as the
+    returned samples are first asked for."""
+    reader.rng.setstate(point.rng)
+    if reader.resampled:
+        reader.drawn.update(point.shards)
+    slots: dict[Coordinate, int] = {(int(j), int(i)): slot for slot, (j, i) in enumerate(point.buffer)}
+    items: list[tuple[Coordinate, Sample] | None] = [None] * len(slots)
+
+    def found(coordinate: Coordinate, sample: Sample) -> None:
+        if coordinate in slots:
+            items[slots[coordinate]] = (coordinate, sample)
+
+    current, first = point.next
+    counted = Skips()  # what these shards skipped was counted before the run stopped
+    for index in sorted({j for j, _ in slots if j != current}):
+        last = max(i for j, i in slots if j == index)
+        for number, sample in enumerate(reader.samples_of(point.shards[index], counted)):
+            found((index, number), sample)
+            if number >= last:
+                break
+    buffer.items = items  # type: ignore[assignment]  # complete once the current shard's start is read
+    live = reader.read(point.next, found)
+    reader.next = point.next
+    return _checked(live, items, point)
+
+
+def _checked(
+    live: Iterator[tuple[Coordinate, Sample]], items: list[Any], point: ResumePoint
+) -> Iterator[tuple[Coordinate, Sample]]:
+    """The live samples, after checking that the resumed buffer found every sample it held."""
+    first = next(live, None)
+    missing = [tuple(int(v) for v in point.buffer[slot]) for slot, item in enumerate(items) if item is None]
+    if missing:
+        raise ResumeError(
+            f"resuming, {len(missing)} sample(s) of the shuffle buffer were not in their shards (first: shard "
+            f"{missing[0][0]} of the worker's order, sample {missing[0][1]}): the shards changed since the "
+            "checkpoint was written; resume with the same shards, or start the epoch afresh"
+        )
+    if first is not None:
+        yield first
+        yield from live
+
+
+# In the main process: the points of the trained batches, and the settings a resume must find unchanged.
+
+
 @dataclass
-class ShuffleBuffer:
-    """webdataset's shuffle buffer (the same fill rule: it grows by two samples for each one it
-    gives until it holds `size`, and gives from `initial` on), holding samples with their
-    coordinates so that its contents can be named and rebuilt."""
+class EpochState:
+    """One rank's training epoch: its number, the global step that seeded it, how many batches the
+    training step took, and for each worker role the resume point of the last of them."""
 
-    size: int
-    initial: int
-    rng: random.Random
-    items: list[tuple[Coordinate, Sample]] = field(default_factory=list)
+    epoch: int
+    start_step: int
+    trained: int = 0
+    next_worker: int = 0  # the role whose batch comes next
+    points: dict[int, ResumePoint] = field(default_factory=dict)
 
-    def __call__(self, source: Iterator[tuple[Coordinate, Sample]]) -> Iterator[tuple[Coordinate, Sample]]:
-        if self.size <= 1:
-            yield from source
-            return
-        for item in source:
-            self.items.append(item)
-            if len(self.items) < self.size:
-                extra = next(source, None)
-                if extra is not None:
-                    self.items.append(extra)
-            if len(self.items) >= self.initial:
-                yield self._pick()
-        while self.items:
-            yield self._pick()
+    def took(self, point: ResumePoint, num_workers: int) -> None:
+        self.trained += 1
+        self.points[point.worker] = point
+        self.next_worker = (point.worker + 1) % max(1, num_workers)
 
-    def _pick(self) -> tuple[Coordinate, Sample]:
-        items = self.items
-        chosen = self.rng.randint(0, len(items) - 1)
-        items[chosen], items[-1] = items[-1], items[chosen]
-        return items.pop()
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "start_step": self.start_step,
+            "trained": self.trained,
+            "next_worker": self.next_worker,
+            "points": [point.as_dict() for point in self.points.values()],
+        }
 
-    def coordinates(self) -> np.ndarray:
-        return np.array([coordinate for coordinate, _ in self.items], dtype=np.int64).reshape(-1, 2)
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> EpochState:
+        points = [ResumePoint.from_dict(point) for point in state["points"]]
+        return cls(
+            state["epoch"],
+            state["start_step"],
+            state["trained"],
+            state["next_worker"],
+            {point.worker: point for point in points},
+        )
 
 
 SETTINGS = (

@@ -1,4 +1,5 @@
-"""Per-sample image work for the shard pipeline: decode, any PIL mode -> 8-bit, crop, resize.
+"""Per-sample image work for the shard pipeline: decode, any PIL mode -> 8-bit, crop, resize, to the
+size and channels the encoder takes.
 
 Everything happens in PIL on one sample's encoded bytes; the result is a uint8 array
 (H, W, C) with no normalisation (the model needs raw pixels for its colour targets), which
@@ -13,7 +14,7 @@ import io
 import math
 import random
 import zlib
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from PIL import Image
@@ -36,6 +37,46 @@ class EncodedJpeg(NamedTuple):
     box: Box
     flip: bool
     name: str = ""  # "sample <key> of <shard>", for messages
+
+
+class Encoder(Protocol):
+    """What images must fit: an encoder's config (mpp.model.vit.ViTConfig), read for its size and channels."""
+
+    @property
+    def image_size(self) -> int | tuple[int, int]: ...
+
+    @property
+    def channels(self) -> int: ...
+
+
+def pair(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """An int or a (height, width) pair as a (height, width) tuple."""
+    if isinstance(size, int):
+        return (size, size)
+    height, width = size
+    return (int(height), int(width))
+
+
+def fitted_shape(
+    size: tuple[int, int] | None, channels: int | None, encoder: Encoder | None
+) -> tuple[tuple[int, int], int]:
+    """(H, W) and channels of the images: those set (None: unset), else the encoder's, else (224, 224) and 3;
+    a size or channels set that differ from the encoder's are an error naming both keys."""
+    if encoder is None:
+        return size or (224, 224), channels or 3
+    wanted_size, wanted_channels = pair(encoder.image_size), encoder.channels
+    for name, value, wanted in (("image_size", size, wanted_size), ("channels", channels, wanted_channels)):
+        if value is not None and value != wanted:
+            raise ValueError(
+                f"data.{name}={_plain(value)} does not fit the encoder's model.init_args.encoder.{name}="
+                f"{_plain(wanted)}: leave data.{name} unset (it follows the encoder) or make the two equal"
+            )
+    return wanted_size, wanted_channels
+
+
+def _plain(value: object) -> object:
+    """A size as a user writes it: 224 for (224, 224)."""
+    return value[0] if isinstance(value, tuple) and len(set(value)) == 1 else value
 
 
 def random_resized_box(

@@ -30,10 +30,10 @@ from shardkit import (
     write_shards,
 )
 
-from mpp.data import stream, workers
+from mpp.data import samples, workers
 from mpp.data.loader import EmptyEpochError
 from mpp.data.module import ShardDataModule
-from mpp.data.stream import resampled_share
+from mpp.data.samples import resampled_share
 from mpp.data.transforms import ImageTransform
 from mpp.data.workers import WorkerDiedError
 from mpp.errors import ConfigError, RunStopped, exit_code
@@ -340,7 +340,7 @@ def test_a_resampled_stream_of_empty_tars_stops_naming_them(tmp_path: Path, num_
     dm = make(str(tmp_path / "empty-{000000..000001}.tar"), num_workers=num_workers, resampled=True,
               samples_per_epoch=8)
     dm.setup("fit")
-    with pytest.raises(stream.EmptyShardsError, match=r"every shard this stream draws from is empty \(a tar with no "
+    with pytest.raises(samples.EmptyShardsError, match=r"every shard this stream draws from is empty \(a tar with no "
                                                       r"members\): \S*empty-00000\d\.tar"):
         next(iter(dm.train_dataloader()))
 
@@ -361,14 +361,14 @@ def test_a_worker_killed_while_the_main_process_trains_names_its_shard(shards: s
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # torch reports a dead worker from its SIGCHLD handler, wherever the main thread is: here
     # in a long "training step" (the sleep), outside the loader.
-    open_url = stream.open_url
+    open_url = samples.open_url
 
     def dies_soon_after_opening_shard_4(url: str, **kw: object) -> object:
         if url.endswith("train-000004.tar"):
             threading.Timer(0.5, _kill_this_process).start()
         return open_url(url, **kw)
 
-    monkeypatch.setattr(stream, "open_url", dies_soon_after_opening_shard_4)
+    monkeypatch.setattr(samples, "open_url", dies_soon_after_opening_shard_4)
     dm = make(shards, num_workers=2, batch_size=2, shuffle_buffer=0, shard_shuffle=False)
     dm.setup("fit")
     with pytest.raises(WorkerDiedError, match=r"reading shard \S*train-000004\.tar"):
@@ -404,7 +404,7 @@ def test_a_worker_s_own_error_is_not_reported_as_a_death(tmp_path: Path) -> None
     loader is not a worker killed by the out-of-memory killer."""
     broken = tmp_path / "broken-000000.tar"
     broken.write_bytes(b"garbage" * 100)
-    stream._Skips.limit = 50
+    samples.Skips.limit = 50
     try:
         for _ in range(2):
             dm = make(str(broken), num_workers=2, resampled=True, samples_per_epoch=8)
@@ -414,7 +414,7 @@ def test_a_worker_s_own_error_is_not_reported_as_a_death(tmp_path: Path) -> None
             assert not isinstance(error.value, WorkerDiedError), error.value
             assert "in a row were unreadable" in str(error.value)
     finally:
-        stream._Skips.limit = 1000
+        samples.Skips.limit = 1000
 
 
 def test_a_worker_error_with_an_exited_worker_is_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:

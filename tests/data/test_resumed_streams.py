@@ -13,7 +13,7 @@ import torch
 from shardkit import sample, write_shard, write_shards
 
 from mpp.data import ShardDataModule
-from mpp.data.stream import ResumeError
+from mpp.data.resume import ResumeError
 from mpp.shards.format import shard_name, shard_pattern
 
 
