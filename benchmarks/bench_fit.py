@@ -18,7 +18,7 @@ Settings:
              says) and data options on ~256 px JPEG shards this tool writes to a temporary
              folder; for a GPU machine (benchmarks/bench_gpu.py adds the compute-only step and MFU).
 
-    python -m benchmarks.bench_fit                                   # demo, 2 fits of each arm
+    python -m benchmarks.bench_fit   # demo, 2 fits of each arm
     python -m benchmarks.bench_fit --workers 2 --repeats 3
     python -m benchmarks.bench_fit --setting vit_b16 --batch 64 --workers 12 --steps 60
 """

@@ -29,9 +29,9 @@ head; x 3 for forward + backward) and printed next to the usual ~105 GFLOPs of V
 224 px. The last block computes only the outputs the loss uses, so the step executes fewer
 FLOPs than the model count; that figure is printed too, MFU uses the model count.
 
-    python -m benchmarks.bench_gpu                          # ViT-B/16, batch 256, on the GPU
+    python -m benchmarks.bench_gpu           # ViT-B/16, batch 256, on the GPU
     python -m benchmarks.bench_gpu --batch 128 --no-compile
-    python -m benchmarks.bench_gpu --smoke                  # a tiny model on the CPU: checks the script runs
+    python -m benchmarks.bench_gpu --smoke   # a tiny model on the CPU: checks the script runs
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ just before the pass (imports and setup: most of the peak) and, from /proc where
 one, the resident size of the main process and of the largest worker at the first and at the
 last batch: growth between them is memory that accumulates while streaming.
 
-    python -m benchmarks.bench_memory                                   # 0 and 2 workers, buffer 0 and 1000
+    python -m benchmarks.bench_memory   # 0 and 2 workers, buffer 0 and 1000
     python -m benchmarks.bench_memory --workers 2 --shuffle-buffers 1000 --repeats 2
 """
 

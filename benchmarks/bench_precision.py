@@ -8,7 +8,7 @@ work of one `Trainer.fit` step without Lightning around it. Arms alternate, the 
 every round (A B C D D C B A ...). A compiled arm compiles in its first, untimed steps; that time
 is printed as well, since every run pays it once for training and once for evaluation.
 
-    python -m benchmarks.bench_precision                                   # demo: batch 128 of 28 px grey images
+    python -m benchmarks.bench_precision   # demo: batch 128 of 28 px grey images
     python -m benchmarks.bench_precision --setting vit_b16 --batch 8 --repeats 4 --no-compile
 """
 

@@ -1,9 +1,9 @@
 """The laboratory: studies of masked patch prediction, each a module run from the project's folder.
 
-    python -m experiments.compare --out runs/demo      # make demo: pretrain, fine-tune, from scratch, one table
-    python -m experiments.study --results results/study  # make study: arms x seeds x label budgets, error bars
-    python -m experiments.levers                       # the levers that may move MPP ahead of scratch
-    python -m experiments.leakage                      # does a hybrid's stem leak a [mask]ed token's colour?
+    python -m experiments.compare --out runs/demo         # make demo: pretrain, fine-tune, from scratch, one table
+    python -m experiments.study --results results/study   # make study: arms x seeds x label budgets, error bars
+    python -m experiments.levers                          # the levers that may move MPP ahead of scratch
+    python -m experiments.leakage                         # does a hybrid's stem leak a [mask]ed token's colour?
 
 The harness the study and the levers run on, a concept to a file:
 

@@ -3,7 +3,7 @@ the same classifier trained from scratch — same labels, augmentation, steps an
 and write a markdown table and a plot of validation accuracy against step. The table scores every
 encoder frozen too (the pretrained one and both arms'): few-shot, k-NN and linear probe.
 
-    python -m experiments.compare                             # the demo configs, embedded sample
+    python -m experiments.compare   # the demo configs, embedded sample
     python -m experiments.compare --pretrained runs/demo/pretrain/checkpoints/last.ckpt \\
         --train shards/fashion-mnist/train-000000.tar --out runs/compare-1k   # 1,000 labels
     python -m experiments.compare --test shards/fashion-mnist/test-000000.tar 'full=shards/fmnist-full/test-000000.tar'

@@ -3,7 +3,7 @@ demo ViT, its hybrid, and the hybrid with corruption.mask_pixels, with the trans
 at init and (--trained) with nothing frozen.
 
     python -m experiments.leakage --results results/leakage
-    python -m experiments.leakage --quick --out runs/leakage-quick    # a few steps: the plumbing
+    python -m experiments.leakage --quick --out runs/leakage-quick   # a few steps: the plumbing
 
 Each run is `mpp fit` of configs/pretrain/demo.yaml or configs/pretrain/demo_hybrid.yaml for --steps
 (frozen: with `--model.init_args.frozen [encoder.blocks]`), then the accuracy of one seeded draw of

@@ -5,8 +5,8 @@ runner, reuse, report).
 The arms: from scratch, from scratch with matched compute, MPP, supervised pretraining, and the hybrid
 (the demo ViT on a ResNet stem) from scratch and with MPP.
 
-    python -m experiments.study                      # the embedded sample: 9,000 pool images, 1,000 held out
-    python -m experiments.study --full               # all 60,000 FashionMNIST training images, 10,000 test
+    python -m experiments.study                                  # the embedded sample: 9,000 pool images, 1,000 held out
+    python -m experiments.study --full                           # all 60,000 FashionMNIST training images, 10,000 test
     python -m experiments.study --quick --out runs/study-quick   # a few steps, 2 seeds: the plumbing
 
 Splits of the embedded sample (10 shards of 1,000): validation train-000009; the unlabelled pool

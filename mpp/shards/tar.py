@@ -1,6 +1,6 @@
 """A lean reader for tar shards: regular files front to back, grouped into samples by key.
 
-Kept over webdataset's tar reader: 3.6x its samples/s (tools/bench_tar.py), and it takes a tar cut at a header as whole.
+Kept over webdataset's tar reader: 3.6x its samples/s (benchmarks/bench_tar.py), and it takes a tar cut at a header as whole.
 
 webdataset's tar_file_expander + group_by_keys read with tarfile in stream mode: ~55 us a
 sample of a PNG and a .cls, more than decoding a 28 px PNG (~35 us), where this reader takes
