@@ -24,6 +24,8 @@ from mpp.secrets import redact
 
 T = TypeVar("T")
 
+# Shared by both sides: the memory the main process creates and the workers write into.
+
 
 class Position(NamedTuple):
     """Where one DataLoader worker was: pid 0 if it never wrote; `stopped_by` the stopping signal
@@ -84,6 +86,9 @@ class Whereabouts:
         return positions
 
 
+# In a worker: its writer into that memory.
+
+
 class Trail:
     """One worker's writer into Whereabouts (a no-op without workers: a death there ends the process)."""
 
@@ -117,6 +122,9 @@ class Trail:
         for signum in STOP_SIGNALS:
             if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
                 signal.signal(signum, stopped)
+
+
+# In the main process: the batches, and an error naming where a dead worker was.
 
 
 def supervised(start: Callable[[], Iterator[T]], whereabouts: Whereabouts | None) -> Iterator[T]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import FrozenInstanceError, replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from shardkit import sample, write_shard, write_shards
 
 from mpp.data import ShardDataModule
 from mpp.data.resume import ResumeError
+from mpp.data.stream import EpochPlan, ShardStream
 from mpp.shards.format import shard_name, shard_pattern
 
 
@@ -146,3 +148,17 @@ def test_the_state_holds_no_url_and_loads_with_weights_only(tmp_path: Path) -> N
     torch.save(state, tmp_path / "state.pt")
     assert str(tmp_path) not in repr(state)
     assert torch.load(tmp_path / "state.pt", weights_only=True) == state
+
+
+def test_a_worker_s_stream_is_its_settings_and_epoch_plan(tmp_path: Path) -> None:
+    """The stream takes all it reads from two frozen values: built again from them it yields the same
+    batches, and a plan holding the point a batch was completed at yields the batches after it."""
+    shards = write_shards(tmp_path / "shards", shards=3, per_shard=10)
+    settings = module(shards).train_dataloader().settings
+    plan = EpochPlan(epoch=2, start_step=30)
+    batches = list(ShardStream(settings, plan))
+    assert [fingerprint(b) for b in ShardStream(settings, plan)] == [fingerprint(b) for b in batches]
+    resumed = replace(plan, resume_points=(batches[2]["position"],))
+    assert [fingerprint(b) for b in ShardStream(settings, resumed)] == [fingerprint(b) for b in batches[3:]]
+    with pytest.raises(FrozenInstanceError):
+        plan.epoch = 3  # type: ignore[misc]
