@@ -12,7 +12,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
 
 from mpp.model.vit import ViTConfig
-from mpp.train.optim import global_batch_size
+from mpp.train.steps import global_batch_size
 from mpp.train.wandb_records import run_folders
 
 

@@ -17,9 +17,9 @@ from torch.optim import Optimizer
 
 from mpp.model.pixels import Normalise
 from mpp.model.vit import ViTConfig
-from mpp.train import optim
-from mpp.train.draws import StepDraws
-from mpp.train.guards import LossGuard, LossGuardCheck, Policy
+from mpp.train import optim, steps
+from mpp.train.nonfinite_loss import LossGuard, LossGuardCheck, Policy
+from mpp.train.step_seeds import StepDraws
 
 
 def as_config(value: Any, cls: type[Any]) -> Any:
@@ -103,7 +103,7 @@ class EncoderModule(pl.LightningModule):
         # No prog_bar in training: Lightning reads progress-bar values on the host every step.
         for name, value in metrics.items():
             self.log(f"{stage}/{name}", value, batch_size=size)
-        if optim.logging_step(self.trainer):
+        if steps.logging_step(self.trainer):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=size)
         return metrics["loss"]
 
@@ -148,11 +148,11 @@ class EncoderModule(pl.LightningModule):
         return self._step(batch, "test")
 
     def configure_optimizers(self) -> Any:  # a dict, which Lightning's union of return types does not name
-        batch = optim.global_batch_size(self.trainer)
+        batch = steps.global_batch_size(self.trainer)
         # No fused optimiser under 16-mixed: it unscales the GradScaler's gradients itself, after clipping.
         fused = self.trainer.precision != "16-mixed"
         return optim.configure_optimizer(
-            self, self.optimizer_config, optim.total_steps(self.trainer), batch, fused=fused
+            self, self.optimizer_config, steps.total_steps(self.trainer), batch, fused=fused
         )
 
     def configure_gradient_clipping(

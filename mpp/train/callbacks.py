@@ -1,29 +1,23 @@
 """Lightning callbacks that watch a run: throughput and skipped samples, a progress bar that
-costs no sync, pictures of the pretraining predictions, and the stage where ranks stalled.
-Each reads the batch and the module's public outputs only."""
+costs no sync, and the stage where ranks stalled (the pictures of the pretraining predictions:
+mpp.train.prediction_pictures). Each reads the batch and the module's public outputs only."""
 
 from __future__ import annotations
 
 import re
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from PIL import Image
 from pytorch_lightning.callbacks import TQDMProgressBar
-from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
 
 from mpp.errors import add_note
-from mpp.model.pixels import to_unit_range
-from mpp.train.optim import log_interval
-from mpp.train.pictures import prediction_panel
-from mpp.train.pretrain import MaskedPatchPretraining
+from mpp.train.steps import log_interval
 
 
 class ThroughputMonitor(pl.Callback):
@@ -116,64 +110,6 @@ class ProgressBar(TQDMProgressBar):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
     ) -> dict[str, int | str | float | dict[str, float]]:
         return {**super().get_metrics(trainer, pl_module), **self.shown}
-
-
-class PredictionPictures(pl.Callback):
-    """Every `every_n_steps` steps, draws original | corrupted | predicted | true targets for a
-    few training images, saves the PNG under `<default_root_dir>/pictures/` and logs it to W&B.
-
-    Args:
-        every_n_steps: how often to draw.
-        max_images: how many images (rows) per picture.
-    """
-
-    def __init__(self, *, every_n_steps: int = 500, max_images: int = 4) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"PredictionPictures.every_n_steps must be at least 1, got {every_n_steps}")
-        self.every_n_steps = every_n_steps
-        self.max_images = max_images
-
-    @torch.no_grad()
-    def draw(self, pl_module: MaskedPatchPretraining, images: torch.Tensor) -> Any:
-        """(B, C, H, W) raw batch images -> (H', W', 3) uint8 picture of the module's predictions."""
-        images = to_unit_range(images[: self.max_images])
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            output = pl_module(images)
-        finally:
-            pl_module.train(was_training)
-        return prediction_panel(
-            images,
-            output.corrupted,
-            output.predictions,
-            target=pl_module.target,
-            patch_size=pl_module.encoder_config.token_size,
-            max_images=self.max_images,
-        )
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if step % self.every_n_steps or not trainer.is_global_zero:
-            return
-        if not isinstance(pl_module, MaskedPatchPretraining):
-            raise TypeError(
-                f"PredictionPictures draws masked patch predictions; the module is {type(pl_module).__name__}"
-            )
-        picture = self.draw(pl_module, batch["image"] if isinstance(batch, dict) else batch)
-        folder = Path(trainer.default_root_dir) / "pictures"
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(picture).save(folder / f"step_{step:07d}.png")
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_image(
-                    key="pictures/predictions",
-                    images=[picture],
-                    step=step,
-                    caption=["original | corrupted | predicted | true"],
-                )
 
 
 _STAGES = {

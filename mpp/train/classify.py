@@ -18,7 +18,7 @@ from mpp.model.checkpoint import load_encoder
 from mpp.model.pixels import to_unit_range
 from mpp.model.vit import ViT, ViTConfig
 from mpp.train.base import EncoderModule, plain
-from mpp.train.guards import Policy
+from mpp.train.nonfinite_loss import Policy
 from mpp.train.optim import OptimizerConfig
 
 
@@ -40,7 +40,7 @@ class ImageClassifier(EncoderModule):
         pixel_std: likewise.
         class_names: names of the K classes for the per-class test accuracies (default: indices).
         compile: compile `forward` (normalise, encoder, head) with torch.compile.
-        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.guards).
+        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.nonfinite_loss).
     """
 
     metric_names = ["loss", "accuracy"]

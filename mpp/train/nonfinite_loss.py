@@ -19,7 +19,7 @@ import torch
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 
-from mpp.train.optim import log_interval
+from mpp.train.steps import log_interval
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""Pictures of what the model sees and predicts, one row per image:
-original | corrupted input | predicted targets | true targets.
+"""Pictures of what the pretraining module sees and predicts, one row per image:
+original | corrupted input | predicted targets | true targets; PredictionPictures draws them
+during training, for PNG files and W&B.
 
 In the corrupted input, masked patches are drawn as a grey checkerboard and replaced
 patches show the pixels of the patch whose embedding they received. In the two target
@@ -9,15 +10,22 @@ patches are dimmed copies of the original.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
+import pytorch_lightning as pl
 import torch
 from einops import rearrange
+from PIL import Image
+from pytorch_lightning.loggers import WandbLogger
 from torch import Tensor
 
 from mpp.model.corruption import MASKED, REPLACED, CorruptedPatches
-from mpp.model.pixels import pair, patchify, unpatchify
+from mpp.model.pixels import pair, patchify, to_unit_range, unpatchify
 from mpp.model.targets import TargetConfig, class_colours
 from mpp.model.vit import pick
+from mpp.train.pretrain import MaskedPatchPretraining
 
 
 def target_patches(
@@ -105,3 +113,61 @@ def prediction_panel(
     rows = rows.repeat_interleave(scale, -1).repeat_interleave(scale, -2)
     picture = torch.cat([torch.cat([r, torch.ones(3, scale, r.shape[-1])], dim=-2) for r in rows], dim=-2)
     return (picture.permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+
+
+class PredictionPictures(pl.Callback):
+    """Every `every_n_steps` steps, draws original | corrupted | predicted | true targets for a
+    few training images, saves the PNG under `<default_root_dir>/pictures/` and logs it to W&B.
+
+    Args:
+        every_n_steps: how often to draw.
+        max_images: how many images (rows) per picture.
+    """
+
+    def __init__(self, *, every_n_steps: int = 500, max_images: int = 4) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"PredictionPictures.every_n_steps must be at least 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.max_images = max_images
+
+    @torch.no_grad()
+    def draw(self, pl_module: MaskedPatchPretraining, images: torch.Tensor) -> Any:
+        """(B, C, H, W) raw batch images -> (H', W', 3) uint8 picture of the module's predictions."""
+        images = to_unit_range(images[: self.max_images])
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            output = pl_module(images)
+        finally:
+            pl_module.train(was_training)
+        return prediction_panel(
+            images,
+            output.corrupted,
+            output.predictions,
+            target=pl_module.target,
+            patch_size=pl_module.encoder_config.token_size,
+            max_images=self.max_images,
+        )
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps or not trainer.is_global_zero:
+            return
+        if not isinstance(pl_module, MaskedPatchPretraining):
+            raise TypeError(
+                f"PredictionPictures draws masked patch predictions; the module is {type(pl_module).__name__}"
+            )
+        picture = self.draw(pl_module, batch["image"] if isinstance(batch, dict) else batch)
+        folder = Path(trainer.default_root_dir) / "pictures"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(picture).save(folder / f"step_{step:07d}.png")
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_image(
+                    key="pictures/predictions",
+                    images=[picture],
+                    step=step,
+                    caption=["original | corrupted | predicted | true"],
+                )

@@ -25,7 +25,7 @@ from mpp.model.pixels import to_unit_range
 from mpp.model.targets import TargetConfig, prediction_accuracy, prediction_loss
 from mpp.model.vit import ViT, ViTConfig, pick
 from mpp.train.base import EncoderModule, as_config, plain
-from mpp.train.guards import Policy
+from mpp.train.nonfinite_loss import Policy
 from mpp.train.optim import OptimizerConfig
 
 
@@ -56,7 +56,7 @@ class MaskedPatchPretraining(EncoderModule):
         pixel_std: likewise.
         compile: compile `forward` (targets, corruption, encoder, head) with torch.compile; shapes
             are static, so it compiles once for training and once for evaluation.
-        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.guards).
+        nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.nonfinite_loss).
         frozen: submodules that keep their initial (or `pretrained`) weights, by name, e.g.
             `[encoder.blocks]`: then only the patch embedding (and a hybrid's stem), positions, [mask]
             token, final norm and head learn, as in the leakage measurement of tools/leakage.py.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mpp.model.corruption import corrupt_patches
-from mpp.train.draws import CHECKPOINT_KEY, StepDraws
+from mpp.train.step_seeds import CHECKPOINT_KEY, StepDraws
 
 
 def draw() -> torch.Tensor:

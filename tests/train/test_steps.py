@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from mpp import MaskedPatchPretraining, OptimizerConfig
 from mpp.train.callbacks import ProgressBar, ThroughputMonitor
-from mpp.train.guards import NonFiniteLossError
+from mpp.train.nonfinite_loss import NonFiniteLossError
 
 
 def trainer(tmp_path: Path, **overrides: object) -> pl.Trainer:
@@ -151,7 +151,7 @@ def test_a_non_finite_loss_can_skip_the_step_instead(tmp_path: Path) -> None:
 
 
 def test_the_learning_rate_follows_the_global_batch(tmp_path: Path) -> None:
-    from mpp.train.optim import global_batch_size
+    from mpp.train.steps import global_batch_size
 
     class Data(pl.LightningDataModule):
         batch_size = 8
