@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 
 from mpp.eval.frozen import FrozenScores, evaluate_checkpoint
-from mpp.eval.linear import DEFAULTS
+from mpp.eval.linear import DEFAULTS, FewShotSettings
 from mpp.model.pixels import pair
 
 
-def render(path: str, scores: FrozenScores, *, seeds: int, knn_k: int, knn_temperature: float, held_out: float) -> str:
+def render(path: str, scores: FrozenScores, settings: FewShotSettings) -> str:
     """The markdown tables: one row per n, then k-NN and the linear probe from all the training labels."""
     lines = [
-        f"Few-shot linear accuracy of {path} ({scores.train} train / {scores.test} test images, mean of {seeds} seeds)",
+        f"Few-shot linear accuracy of {path} ({scores.train} train / {scores.test} test images, mean of {settings.seeds} seeds)",
         "",
         "| shots | accuracy |",
         "|---:|---:|",
@@ -31,8 +32,8 @@ def render(path: str, scores: FrozenScores, *, seeds: int, knn_k: int, knn_tempe
         "",
         f"| all {scores.train} training labels | accuracy |",
         "|---|---:|",
-        f"| k-NN (k={knn_k}, temperature {knn_temperature:g}) | {100 * scores.knn:.1f}% |",
-        f"| linear probe (l2 {scores.linear_l2:g}, chosen on {100 * held_out:g}% held out) | {100 * scores.linear:.1f}% |",
+        f"| k-NN (k={settings.knn_k}, temperature {settings.knn_temperature:g}) | {100 * scores.knn:.1f}% |",
+        f"| linear probe (l2 {scores.linear_l2:g}, chosen on {100 * settings.probe_held_out:g}% held out) | {100 * scores.linear:.1f}% |",
     ]
     return "\n".join(lines)
 
@@ -108,41 +109,36 @@ def main(argv: list[str] | None = None) -> int:
     image_size = None
     if args.image_size:
         image_size = pair(args.image_size[0] if len(args.image_size) == 1 else args.image_size)
+    settings = replace(
+        DEFAULTS,
+        shots=tuple(args.shots),
+        seeds=args.seeds,
+        max_train=args.max_train,
+        max_test=args.max_test,
+        l2=args.l2,
+        knn_k=args.knn_k,
+        knn_temperature=args.knn_temperature,
+        probe_l2s=tuple(args.probe_l2s),
+        probe_held_out=args.probe_held_out,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        eval_crop_fraction=args.eval_crop_fraction,
+    )
     try:
         scores = evaluate_checkpoint(
             args.checkpoint,
             train=args.train,
             test=args.test,
-            shots=args.shots,
-            seeds=args.seeds,
+            settings=settings,
             num_classes=args.num_classes,
-            max_train=args.max_train,
-            max_test=args.max_test,
             image_size=image_size,
-            l2=args.l2,
-            knn_k=args.knn_k,
-            knn_temperature=args.knn_temperature,
-            probe_l2s=args.probe_l2s,
-            probe_held_out=args.probe_held_out,
-            batch_size=args.batch_size,
-            num_workers=args.num_workers,
-            eval_crop_fraction=args.eval_crop_fraction,
             device=args.device,
             precision=args.precision,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(
-        render(
-            args.checkpoint,
-            scores,
-            seeds=args.seeds,
-            knn_k=args.knn_k,
-            knn_temperature=args.knn_temperature,
-            held_out=args.probe_held_out,
-        )
-    )
+    print(render(args.checkpoint, scores, settings))
     return 0
 
 

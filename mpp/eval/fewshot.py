@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from dataclasses import replace
+from typing import cast
 
 import pytorch_lightning as pl
 import torch
@@ -18,7 +19,7 @@ from mpp.data.loader import EmptyEpochError
 from mpp.data.module import ShardDataModule, ShardSpec, run_shards
 from mpp.data.stream import EmptyShardsError
 from mpp.eval.frozen import FrozenScores, extract_features, fewshot_data, limited, score_features
-from mpp.eval.linear import DEFAULTS
+from mpp.eval.linear import DEFAULTS, FewShotSettings
 from mpp.model.vit import ViT
 
 log = logging.getLogger("mpp")
@@ -96,19 +97,26 @@ class FewShotEvaluation(pl.Callback):
                 "FewShotEvaluation.probe_l2s must be positive values and probe_held_out a fraction between 0 and 1, "
                 f"got {list(probe_l2s)} and {probe_held_out}"
             )
-        self.num_classes, self.shots, self.seeds, self.l2 = num_classes, tuple(shots), seeds, l2
-        self.knn_k, self.knn_temperature = knn_k, knn_temperature
-        self.probe_l2s, self.probe_held_out = tuple(probe_l2s), probe_held_out
-        self.every_n_steps, self.max_train, self.max_test = every_n_steps, max_train, max_test
+        # The config's keys are these arguments (the CLI reads the signature); past here, one settings object.
+        self.settings = FewShotSettings(
+            shots=tuple(shots),
+            seeds=seeds,
+            every_n_steps=every_n_steps,
+            max_train=max_train,
+            max_test=max_test,
+            l2=l2,
+            knn_k=knn_k,
+            knn_temperature=knn_temperature,
+            probe_l2s=tuple(probe_l2s),
+            probe_held_out=probe_held_out,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            eval_crop_fraction=eval_crop_fraction,
+        )
+        self.num_classes: int | None = None
         self._check_classes(num_classes, given=True)
         self.specs = {"train": train, "test": test}
-        self._data_settings: dict[str, Any] = {
-            "batch_size": batch_size,
-            "num_workers": num_workers,
-            "eval_crop_fraction": eval_crop_fraction,
-            "image_size": image_size,
-            "channels": channels,
-        }
+        self.image_size, self.channels = image_size, channels
         self.data: ShardDataModule | None = None
         self.last_step: int | None = None
         self.said_shots = self.off = self.following = False
@@ -130,7 +138,7 @@ class FewShotEvaluation(pl.Callback):
         if self.num_classes is None:
             listed = listed_classes_of(train)
             self._check_classes(None if listed is None else len(listed[0]))
-        self.data = fewshot_data(train, test, **self._data_settings)
+        self.data = fewshot_data(train, test, self.settings, image_size=self.image_size, channels=self.channels)
         try:  # checked against, and completed from, the module's encoder, as the run's own data is
             self.data.setup(rank=0, world_size=1, encoder=getattr(pl_module, "encoder_config", None))
         except ValueError as error:
@@ -150,9 +158,10 @@ class FewShotEvaluation(pl.Callback):
     def _check_classes(self, num_classes: int | None, *, given: bool = False) -> None:
         """Keep K (None: from the index or the labels read). A K given with the callback must leave room for
         max(shots) of each class in max_train; one read from the shards leaves out the shots they cannot serve."""
-        if given and num_classes is not None and self.max_train < num_classes * max(self.shots):
+        max_train, shots = self.settings.max_train, self.settings.shots
+        if given and num_classes is not None and max_train < num_classes * max(shots):
             raise ValueError(
-                f"FewShotEvaluation.max_train={self.max_train} cannot hold {max(self.shots)} shots of {num_classes} classes"
+                f"FewShotEvaluation.max_train={max_train} cannot hold {max(shots)} shots of {num_classes} classes"
             )
         self.num_classes = num_classes
 
@@ -165,8 +174,10 @@ class FewShotEvaluation(pl.Callback):
             raise RuntimeError("FewShotEvaluation.evaluate before setup")
         try:
             with trainer.precision_plugin.forward_context():
-                features, labels = self._features(pl_module, self.data.val_dataloader(), self.max_train)
-                test_features, test_labels = self._features(pl_module, self.data.test_dataloader(), self.max_test)
+                features, labels = self._features(pl_module, self.data.val_dataloader(), self.settings.max_train)
+                test_features, test_labels = self._features(
+                    pl_module, self.data.test_dataloader(), self.settings.max_test
+                )
             shots, problem = self._shots(labels, test_labels)
         except (EmptyEpochError, EmptyShardsError) as error:  # the run's own stream says it, in its own words
             if not self.following:
@@ -182,19 +193,9 @@ class FewShotEvaluation(pl.Callback):
             )
             self.off = True
             return None
+        served = replace(self.settings, shots=shots)
         scores = score_features(
-            features,
-            labels,
-            test_features,
-            test_labels,
-            num_classes=cast(int, self.num_classes),
-            shots=shots,
-            seeds=self.seeds,
-            l2=self.l2,
-            knn_k=self.knn_k,
-            knn_temperature=self.knn_temperature,
-            probe_l2s=self.probe_l2s,
-            probe_held_out=self.probe_held_out,
+            features, labels, test_features, test_labels, num_classes=cast(int, self.num_classes), settings=served
         )
         self.history[step], self.last_step = scores, step
         # Straight to the loggers: this also runs in on_train_end, where `self.log` is not allowed.
@@ -212,19 +213,19 @@ class FewShotEvaluation(pl.Callback):
         if self.num_classes is None:
             self._check_classes(int(max(labels.max(), test_labels.max())) + 1)
         fewest = int(torch.bincount(labels, minlength=cast(int, self.num_classes)).min())
-        served = tuple(n for n in self.shots if n <= fewest)
+        served = tuple(n for n in self.settings.shots if n <= fewest)
         if not served:
             return (), (
                 f"a class has {fewest} examples among the {len(labels)} training samples read, fewer than "
-                f"{min(self.shots)} shots: give more training samples (max_train), shards that mix the classes, "
+                f"{min(self.settings.shots)} shots: give more training samples (max_train), shards that mix the classes, "
                 "or fewer shots"
             )
-        if served != self.shots and not self.said_shots:
+        if served != self.settings.shots and not self.said_shots:
             log.warning(
                 "FewShotEvaluation: a class has %d examples among the %d training samples read: %s-shot left out",
                 fewest,
                 len(labels),
-                "/".join(str(n) for n in self.shots if n not in served),
+                "/".join(str(n) for n in self.settings.shots if n not in served),
             )
             self.said_shots = True
         return served, None
@@ -247,7 +248,7 @@ class FewShotEvaluation(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
-        if trainer.global_step % self.every_n_steps == 0 and self._due(trainer):
+        if trainer.global_step % self.settings.every_n_steps == 0 and self._due(trainer):
             self.evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -6,7 +6,7 @@ training: mpp.eval.fewshot).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from mpp.data.module import ShardDataModule, ShardSpec
 from mpp.eval.knn import knn_accuracy
-from mpp.eval.linear import DEFAULTS, fewshot_evaluation, linear_probe
+from mpp.eval.linear import DEFAULTS, FewShotSettings, fewshot_evaluation, linear_probe
 from mpp.model.checkpoint import encoder_and_normalisation
 from mpp.model.pixels import to_unit_range
 from mpp.model.vit import ViT
@@ -24,23 +24,21 @@ from mpp.precision import run_precision
 def fewshot_data(
     train: ShardSpec,
     test: ShardSpec,
+    settings: FewShotSettings = DEFAULTS,
     *,
-    batch_size: int,
-    num_workers: int,
-    eval_crop_fraction: float,
     image_size: int | tuple[int, int] | None = None,
     channels: int | None = None,
 ) -> ShardDataModule:
-    """The labelled shards of a few-shot evaluation; `train` is read as the `val` split (evaluation
-    transform, shard order), so both are read the same way."""
+    """The labelled shards of a few-shot evaluation, read with `settings`' batch size, workers and crop;
+    `train` is read as the `val` split (evaluation transform, shard order), so both are read the same way."""
     return ShardDataModule(
         val=train,
         test=test,
-        batch_size=batch_size,
-        num_workers=num_workers,
+        batch_size=settings.batch_size,
+        num_workers=settings.num_workers,
         image_size=image_size,
         channels=channels,
-        eval_crop_fraction=eval_crop_fraction,
+        eval_crop_fraction=settings.eval_crop_fraction,
         shard_shuffle=False,
         shuffle_buffer=0,
     )
@@ -91,24 +89,20 @@ def score_features(
     test_labels: Tensor,
     *,
     num_classes: int,
-    shots: Sequence[int],
-    seeds: int,
-    l2: float,
-    knn_k: int,
-    knn_temperature: float,
-    probe_l2s: Sequence[float],
-    probe_held_out: float,
+    settings: FewShotSettings = DEFAULTS,
 ) -> FrozenScores:
-    """(N, D), (N,), (M, D), (M,) -> few-shot, k-NN and linear-probe accuracy on the same features."""
+    """(N, D), (N,), (M, D), (M,) -> few-shot (`settings.shots`), k-NN and linear-probe accuracy on the
+    same features."""
+    train, test = (features, labels), (test_features, test_labels)
     probe = linear_probe(
-        features, labels, test_features, test_labels, num_classes=num_classes, l2s=probe_l2s, held_out=probe_held_out
+        *train, *test, num_classes=num_classes, l2s=settings.probe_l2s, held_out=settings.probe_held_out
     )
     return FrozenScores(
         fewshot=fewshot_evaluation(
-            features, labels, test_features, test_labels, shots=shots, seeds=seeds, num_classes=num_classes, l2=l2
+            *train, *test, shots=settings.shots, seeds=settings.seeds, num_classes=num_classes, l2=settings.l2
         ),
         knn=knn_accuracy(
-            features, labels, test_features, test_labels, num_classes=num_classes, k=knn_k, temperature=knn_temperature
+            *train, *test, num_classes=num_classes, k=settings.knn_k, temperature=settings.knn_temperature
         ),
         linear=probe.accuracy,
         linear_l2=probe.l2,
@@ -133,30 +127,19 @@ def evaluate_checkpoint(
     *,
     train: ShardSpec,
     test: ShardSpec,
-    shots: Sequence[int] = DEFAULTS.shots,
-    seeds: int = DEFAULTS.seeds,
+    settings: FewShotSettings = DEFAULTS,
     num_classes: int | None = None,
-    max_train: int = DEFAULTS.max_train,
-    max_test: int = DEFAULTS.max_test,
     image_size: int | tuple[int, int] | None = None,
-    l2: float = DEFAULTS.l2,
-    knn_k: int = DEFAULTS.knn_k,
-    knn_temperature: float = DEFAULTS.knn_temperature,
-    probe_l2s: Sequence[float] = DEFAULTS.probe_l2s,
-    probe_held_out: float = DEFAULTS.probe_held_out,
-    batch_size: int = DEFAULTS.batch_size,
-    num_workers: int = DEFAULTS.num_workers,
-    eval_crop_fraction: float = DEFAULTS.eval_crop_fraction,
     device: torch.device | str = "cpu",
     precision: str | None = None,
 ) -> FrozenScores:
     """Few-shot, k-NN and linear-probe accuracy of any mpp checkpoint's frozen encoder, and the counts of
-    training and test features they came from (the arguments: FewShotEvaluation's).
+    training and test features they came from (`settings` and the rest: FewShotEvaluation's).
 
-    The n-shot examples come from the first `max_train` samples of `train`, in shard order; k-NN and
-    the probe take all of them. The features are computed under bf16 autocast if `precision` is a
-    bf16 one and the device computes bf16; None: the precision `mpp fit` takes on this device when a
-    config names none (mpp.precision).
+    The n-shot examples come from the first `settings.max_train` samples of `train`, in shard order;
+    k-NN and the probe take all of them. The features are computed under bf16 autocast if `precision`
+    is a bf16 one and the device computes bf16; None: the precision `mpp fit` takes on this device
+    when a config names none (mpp.precision).
     """
     device_type = torch.device(device).type
     precision = run_precision(precision, device_type)[0]
@@ -166,31 +149,16 @@ def evaluate_checkpoint(
         encoder.resize_positions(image_size)
     encoder.to(device)
     normalise.to(device)
-    data = fewshot_data(
-        train, test, batch_size=batch_size, num_workers=num_workers, eval_crop_fraction=eval_crop_fraction
-    )
+    data = fewshot_data(train, test, settings)
     data.setup(rank=0, world_size=1, encoder=encoder.config)  # the images take the encoder's size and channels
     with autocast:
         features, labels = extract_features(
-            encoder, limited(data.val_dataloader(), max_train), normalise=normalise, device=device
+            encoder, limited(data.val_dataloader(), settings.max_train), normalise=normalise, device=device
         )
         test_features, test_labels = extract_features(
-            encoder, limited(data.test_dataloader(), max_test), normalise=normalise, device=device
+            encoder, limited(data.test_dataloader(), settings.max_test), normalise=normalise, device=device
         )
     if labels.min() < 0 or test_labels.min() < 0:
         raise ValueError("the shards hold unlabelled samples; few-shot, k-NN and probe evaluation need `.cls` labels")
     num_classes = num_classes or int(max(labels.max(), test_labels.max())) + 1
-    return score_features(
-        features,
-        labels,
-        test_features,
-        test_labels,
-        num_classes=num_classes,
-        shots=shots,
-        seeds=seeds,
-        l2=l2,
-        knn_k=knn_k,
-        knn_temperature=knn_temperature,
-        probe_l2s=probe_l2s,
-        probe_held_out=probe_held_out,
-    )
+    return score_features(features, labels, test_features, test_labels, num_classes=num_classes, settings=settings)

@@ -9,7 +9,7 @@ import csv
 import importlib.util
 import inspect
 import io
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -148,8 +148,9 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
 def test_one_set_of_features_is_scored_by_every_evaluation_as_each_alone_scores_it():
     features, labels = clusters(30, classes=4, dim=8, noise=12.0)
     test_features, test_labels = clusters(30, classes=4, dim=8, noise=12.0, seed=1)
-    scores = score_features(features, labels, test_features, test_labels, num_classes=4, shots=(1, 5), seeds=2,
-                            l2=DEFAULTS.l2, knn_k=5, knn_temperature=0.5, probe_l2s=(1.0, 64.0), probe_held_out=0.25)
+    settings = replace(DEFAULTS, shots=(1, 5), seeds=2, knn_k=5, knn_temperature=0.5, probe_l2s=(1.0, 64.0),
+                       probe_held_out=0.25)
+    scores = score_features(features, labels, test_features, test_labels, num_classes=4, settings=settings)
     probe = linear_probe(features, labels, test_features, test_labels, num_classes=4, l2s=(1.0, 64.0), held_out=0.25)
     assert scores.fewshot == fewshot_evaluation(features, labels, test_features, test_labels, shots=(1, 5), seeds=2,
                                                 num_classes=4)
@@ -192,8 +193,8 @@ def test_the_callback_the_function_and_the_tool_share_one_set_of_defaults():
     assert {name: parsed[name] for name in wanted} == wanted
     # The functions' own names for the settings of k-NN and the probe.
     named = {"k": "knn_k", "temperature": "knn_temperature", "l2s": "probe_l2s", "held_out": "probe_held_out"}
-    functions = (evaluate_checkpoint, fewshot_evaluation, fewshot_accuracy, knn_accuracy, knn_predictions,
-                 linear_probe, choose_l2)
+    assert inspect.signature(evaluate_checkpoint).parameters["settings"].default is DEFAULTS
+    functions = (fewshot_evaluation, fewshot_accuracy, knn_accuracy, knn_predictions, linear_probe, choose_l2)
     for function in functions:
         parameters = {named.get(name, name): p.default for name, p in inspect.signature(function).parameters.items()}
         defaults = {name: default for name, default in parameters.items() if name in wanted}
