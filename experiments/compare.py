@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
@@ -30,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from mpp.config import read_config  # noqa: E402
 from mpp.eval.frozen import FrozenScores, evaluate_checkpoint  # noqa: E402
+from mpp.eval.linear import DEFAULTS  # noqa: E402
 from mpp.eval.records import history  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, help="training steps of both arms (default: the configs')")
     parser.add_argument("--pretrain-steps", type=int, help="pretraining steps (default: the config's)")
-    # The table's few-shot columns; everything else about the evaluation is mpp.eval.fewshot.DEFAULTS.
+    # The table's few-shot columns; everything else about the evaluation is mpp.eval.linear.DEFAULTS.
     parser.add_argument("--shots", type=int, nargs="+", default=[10, 25], help="few-shot columns")
     parser.add_argument(
         "--frozen-train",
@@ -140,10 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
     fewshot_train = args.train or read_config(ROOT / args.finetune)["data"]["train"]  # the arms' labelled shards
     first_test = next(iter(tests.values()))
+    evaluation = replace(DEFAULTS, shots=tuple(args.shots), max_train=args.frozen_train)
     frozen = {
-        key: evaluate_checkpoint(
-            path, train=fewshot_train, test=first_test, shots=args.shots, max_train=args.frozen_train
-        )
+        key: evaluate_checkpoint(path, train=fewshot_train, test=first_test, settings=evaluation)
         for key, path in {
             "pretrained": pretrained,
             **{arm: str(out / arm / "checkpoints" / "last.ckpt") for arm in ARMS},

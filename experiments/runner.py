@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -123,10 +123,10 @@ def resolve(overrides: Sequence[str], out: Path) -> list[str]:
 
 def frozen_scores(checkpoint: Path, shards: tuple[str, str], settings: Settings) -> dict[str, Any]:
     from mpp.eval.frozen import evaluate_checkpoint
+    from mpp.eval.linear import DEFAULTS
 
-    scores = evaluate_checkpoint(
-        str(checkpoint), train=shards[0], test=shards[1], shots=settings.shots, max_train=settings.frozen_max_train
-    )
+    evaluation = replace(DEFAULTS, shots=settings.shots, max_train=settings.frozen_max_train)
+    scores = evaluate_checkpoint(str(checkpoint), train=shards[0], test=shards[1], settings=evaluation)
     return {
         "fewshot": {str(n): a for n, a in scores.fewshot.items()},
         "knn": scores.knn,
