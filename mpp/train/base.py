@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -18,7 +16,7 @@ from torch.optim import Optimizer
 from mpp.model.pixels import Normalise
 from mpp.model.vit import ViTConfig
 from mpp.train import optim, steps
-from mpp.train.nonfinite_loss import LossGuard, LossGuardCheck, Policy
+from mpp.train.nonfinite_loss import LossGuard, LossGuardCheck
 from mpp.train.step_seeds import StepDraws
 
 
@@ -66,17 +64,16 @@ class EncoderModule(pl.LightningModule):
 
     metric_names: list[str]  # the keys of `metrics`
 
-    def __init__(
-        self, encoder: Any, optimizer: Any, mean: Sequence[float], std: Sequence[float], nonfinite_loss: Policy
-    ) -> None:
+    def __init__(self, hyperparameters: dict[str, Any]) -> None:
+        """`hyperparameters`: the subclass's arguments, in its signature's order, as plain data (`plain`,
+        lists), so that checkpoints load without unpickling project classes; their `encoder`, `optimizer`,
+        `pixel_mean`, `pixel_std` and `nonfinite_loss` configure what this base holds."""
         super().__init__()
-        self.encoder_config = as_config(encoder, ViTConfig)
-        self.optimizer_config = as_config(optimizer, optim.OptimizerConfig)
-        self.loss_guard = LossGuard(nonfinite_loss)
-        # Records the arguments of the caller, the subclass's __init__, which made them plain data (`plain`,
-        # lists) so that checkpoints load without unpickling project classes; under the CLI, Lightning
-        # stores the parsed config instead.
-        self.save_hyperparameters(frame=sys._getframe(1))
+        self.encoder_config = as_config(hyperparameters["encoder"], ViTConfig)
+        self.optimizer_config = as_config(hyperparameters["optimizer"], optim.OptimizerConfig)
+        self.loss_guard = LossGuard(hyperparameters["nonfinite_loss"])
+        self.save_hyperparameters(hyperparameters)
+        mean, std = hyperparameters["pixel_mean"], hyperparameters["pixel_std"]
         self.normalise = Normalise(mean=mean, std=std)
         self.normalise.check_channels(self.encoder_config.channels)
         self.draws = StepDraws()

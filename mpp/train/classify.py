@@ -60,9 +60,6 @@ class ImageClassifier(EncoderModule):
         compile: bool = False,
         nonfinite_loss: Policy = "stop",
     ) -> None:
-        # Plain data: EncoderModule records this frame's arguments as the hyperparameters.
-        encoder, optimizer = plain(encoder, ViTConfig), plain(optimizer, OptimizerConfig)  # type: ignore[assignment]
-        pixel_mean, pixel_std = list(pixel_mean), list(pixel_std)
         if num_classes is None and class_names is None:
             raise ValueError(
                 "num_classes is unset and no shard index lists the classes: set model.init_args.num_classes "
@@ -76,7 +73,19 @@ class ImageClassifier(EncoderModule):
                 f"class_names has {len(class_names)} names for num_classes={num_classes}: give "
                 f"model.init_args.class_names {num_classes} names, or null to name the classes 0 to {num_classes - 1}"
             )
-        super().__init__(encoder, optimizer, pixel_mean, pixel_std, nonfinite_loss)
+        super().__init__(
+            {
+                "encoder": plain(encoder, ViTConfig),
+                "optimizer": plain(optimizer, OptimizerConfig),
+                "num_classes": num_classes,
+                "pretrained": pretrained,
+                "pixel_mean": list(pixel_mean),
+                "pixel_std": list(pixel_std),
+                "class_names": class_names,
+                "compile": compile,
+                "nonfinite_loss": nonfinite_loss,
+            }
+        )
         self.num_classes = num_classes
         self.class_names = list(class_names) if class_names is not None else [str(k) for k in range(num_classes)]
         if pretrained is None:

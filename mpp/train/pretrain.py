@@ -78,11 +78,20 @@ class MaskedPatchPretraining(EncoderModule):
         nonfinite_loss: Policy = "stop",
         frozen: Sequence[str] = (),
     ) -> None:
-        # Plain data: EncoderModule records this frame's arguments as the hyperparameters.
-        encoder, optimizer = plain(encoder, ViTConfig), plain(optimizer, OptimizerConfig)  # type: ignore[assignment]
-        corruption, target = plain(corruption, CorruptionConfig), plain(target, TargetConfig)  # type: ignore[assignment]
-        pixel_mean, pixel_std, frozen = list(pixel_mean), list(pixel_std), list(frozen)
-        super().__init__(encoder, optimizer, pixel_mean, pixel_std, nonfinite_loss)
+        super().__init__(
+            {
+                "encoder": plain(encoder, ViTConfig),
+                "optimizer": plain(optimizer, OptimizerConfig),
+                "corruption": plain(corruption, CorruptionConfig),
+                "target": plain(target, TargetConfig),
+                "pretrained": pretrained,
+                "pixel_mean": list(pixel_mean),
+                "pixel_std": list(pixel_std),
+                "compile": compile,
+                "nonfinite_loss": nonfinite_loss,
+                "frozen": list(frozen),
+            }
+        )
         self.corruption, self.target = as_config(corruption, CorruptionConfig), as_config(target, TargetConfig)
         self.metric_names = ["loss"] if self.target.kind == "pixels" else ["loss", "mpp_accuracy"]
         if self.corruption.mask_pixels and self.encoder_config.stem is None:
