@@ -13,7 +13,7 @@ Resuming, a worker `replay`s: it rereads the shards its buffer's samples came fr
 samples (no image is decoded), reopens its current shard at the next sample and sets its
 generator's state: it then yields what it would have yielded had the run not stopped. Images are
 never pickled into a checkpoint; the cost is reading those shards again (measured by
-tools/bench_resume.py).
+benchmarks/bench_resume.py).
 """
 
 from __future__ import annotations
