@@ -31,6 +31,7 @@ from shardkit import (
 )
 
 from mpp.data import samples, workers
+from mpp.data.batches import Batch, StreamBatch
 from mpp.data.loader import EmptyEpochError
 from mpp.data.module import ShardDataModule
 from mpp.data.samples import resampled_share
@@ -64,6 +65,9 @@ def test_batches_are_uint8_dicts_of_the_requested_shape(shards: str) -> None:
     batch = next(iter(dm.train_dataloader()))
     assert set(batch) == {"image", "label", "skipped", "position"}  # the data module drops "position" on the device
     assert batch["image"].shape == (4, 1, 6, 10) and batch["image"].dtype == torch.uint8
+    assert set(batch) <= StreamBatch.__required_keys__ | StreamBatch.__optional_keys__
+    on_device = dm.transfer_batch_to_device(batch, torch.device("cpu"), 0)
+    assert set(on_device) == Batch.__required_keys__  # what a step receives is the typed Batch, all of it
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
