@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import yaml
+from jsonargparse import set_loader
 from pytorch_lightning.callbacks import ModelSummary, RichModelSummary
 from pytorch_lightning.cli import (
     LightningArgumentParser,
@@ -28,11 +30,13 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from tqdm.auto import tqdm
 
-from mpp.config import register_parser_mode
+from mpp.config import PARSER_MODE, load_config
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.classes import fill_classes
 from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
+from mpp.model.checkpoint import read_checkpoint
+from mpp.moved import current_class_paths
 from mpp.precision import run_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
 from mpp.summary import (
@@ -73,7 +77,7 @@ class MPPCLI(LightningCLI):
     """LightningCLI that says what it runs before fitting and where the results are after."""
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        kwargs.setdefault("parser_mode", register_parser_mode())  # `__base__` in configs (mpp.config)
+        kwargs.setdefault("parser_mode", config_mode())
         return super().init_parser(**kwargs)
 
     def before_instantiate_classes(self) -> None:
@@ -120,21 +124,27 @@ class MPPCLI(LightningCLI):
             check_checkpoint(self.config[subcommand].get("ckpt_path"))
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning lays a checkpoint's hyperparameters over the whole config, the command line's
-        `--model.*` too; those are laid back over them, each said in a line."""
-        before = self.config.clone()
-        super()._parse_ckpt_path()
+        """As Lightning's, a checkpoint's hyperparameters laid over the whole config, but read by mpp (a class
+        path of an earlier layout as today's); the command line's `--model.*` laid back over them, each said."""
+        before, subcommand = self.config.clone(), self.config.get("subcommand")
         self.override_lines = []
-        subcommand = self.config.get("subcommand")
-        if subcommand is None or before == self.config:
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not path or not Path(path).is_file():
             return
+        hparams = dict(read_checkpoint(path).get("hyper_parameters", {}))
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
         for key in model_keys(self.command_line):
-            path = f"{subcommand}.{key}"
-            if path not in before:
+            key_path = f"{subcommand}.{key}"
+            if key_path not in before:
                 continue
-            given, saved = before[path], self.config[path]
+            given, saved = before[key_path], self.config[key_path]
             if given != saved:
-                self.config[path] = given
+                self.config[key_path] = given
                 self.override_lines.append(f"mpp: --{key} {given} from the command line, over the checkpoint's {saved}")
 
     def instantiate_classes(self) -> None:
@@ -147,6 +157,9 @@ class MPPCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()
         quiet_wandb(self.trainer.loggers)
+        # The module records its own arguments; its checkpoints also name its class where it lives now,
+        # under Lightning's key, which `--ckpt_path` reads back.
+        self.model.hparams["_class_path"] = f"{type(self.model).__module__}.{type(self.model).__qualname__}"
 
     def before_fit(self) -> None:
         self._check_data("fit")
@@ -207,6 +220,13 @@ class MPPCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:  # other ranks hold placeholder loggers
             self.trainer.print(redact(results_summary(self.trainer)))
+
+
+def config_mode() -> str:
+    """jsonargparse's parser mode for mpp's configs: read as mpp.config reads them, then their class
+    paths of earlier layouts as today's (mpp.moved)."""
+    set_loader(PARSER_MODE, lambda text: current_class_paths(load_config(text)), (yaml.YAMLError,))
+    return PARSER_MODE
 
 
 def place_run_outputs(config: Any) -> None:

@@ -24,6 +24,7 @@ from mpp.model import layouts
 from mpp.model.layouts import TIMM_HYBRIDS, TIMM_MODELS, TIMM_STEM_WIDTH, Layout
 from mpp.model.pixels import Normalise, pair
 from mpp.model.vit import ViT, ViTConfig
+from mpp.moved import current_class_paths
 
 # Settings that shape no tensor: a checkpoint's encoder may differ from the configured one in these.
 _NOT_ARCHITECTURE = ("image_size", "dropout")
@@ -39,8 +40,14 @@ def _architecture(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_checkpoint(path: str) -> dict[str, Any]:
-    """A checkpoint's contents, tensors on the CPU; nothing but plain data and tensors is unpickled."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint's contents, tensors on the CPU; nothing but plain data and tensors is unpickled. The
+    class path Lightning's CLI records in its hyperparameters is today's where it named an earlier one."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(checkpoint.get("hyper_parameters"), dict):
+        checkpoint["hyper_parameters"] = current_class_paths(
+            checkpoint["hyper_parameters"], source=f"checkpoint {path}"
+        )
+    return checkpoint
 
 
 def misfit(wanted: Mapping[str, tuple[int, ...]], found: Mapping[str, Tensor]) -> str | None:
