@@ -1,2 +1,3 @@
-"""The model: the ViT encoder, patch corruption, prediction targets, pixel conventions, and
-encoders read back from checkpoints. Nothing here knows Lightning."""
+"""The model: the ViT encoder, patch corruption, prediction targets, pixel conventions, encoders read
+back from checkpoints and exports, and exports written for timm and Hugging Face. Nothing here knows
+Lightning."""
