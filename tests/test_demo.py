@@ -11,7 +11,7 @@ import sys
 import pytest
 from workspace import ROOT, environment
 
-from mpp.eval.records import history
+from mpp.train.wandb_records import history
 
 
 @pytest.mark.slow

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from benchkit import photo, write_photo_shards
 from shardkit import encode, write_shard
 
+from benchmarks.kit import photo, write_photo_shards
 from mpp.data import device_decode, transforms
 from mpp.data import module as data_module
 from mpp.data.module import ShardDataModule
