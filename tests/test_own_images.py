@@ -18,7 +18,7 @@ from PIL import Image
 from test_readme import code_blocks
 from workspace import ROOT, console_script, environment, run
 
-from mpp.eval.records import history
+from mpp.train.wandb_records import history
 
 DOC = (ROOT / "docs" / "own-images.md").read_text()
 COMMANDS = [shlex.split(line) for block in code_blocks(DOC) for line in block]
