@@ -8,7 +8,7 @@ whole runs of the CLI, the configs, the README, the tools, the experiments and t
 at the top.
 
 `make test` runs the suite on two worker processes (pytest-xdist), a file to a worker, since a file's
-tests share its module fixtures (the README's commands run in order in one user's folder). The files of
+tests share its module fixtures (the README's and docs' commands run in order in one user's folder). The files of
 whole runs go first, longest first, so that the workers finish together; each worker and the runs it
 starts take their share of the cores, not all of them each.
 """
