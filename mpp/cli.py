@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-import yaml
-from jsonargparse import set_loader
 from pytorch_lightning.callbacks import ModelSummary, RichModelSummary
 from pytorch_lightning.cli import (
     LightningArgumentParser,
@@ -30,13 +28,12 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from tqdm.auto import tqdm
 
-from mpp.config import PARSER_MODE, load_config
+from mpp.config import register_parser_mode
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.classes import fill_classes
 from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.model.checkpoint import read_checkpoint
-from mpp.moved import current_class_paths
 from mpp.precision import run_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
 from mpp.summary import (
@@ -77,7 +74,7 @@ class MPPCLI(LightningCLI):
     """LightningCLI that says what it runs before fitting and where the results are after."""
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        kwargs.setdefault("parser_mode", config_mode())
+        kwargs.setdefault("parser_mode", register_parser_mode())
         return super().init_parser(**kwargs)
 
     def before_instantiate_classes(self) -> None:
@@ -220,13 +217,6 @@ class MPPCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:  # other ranks hold placeholder loggers
             self.trainer.print(redact(results_summary(self.trainer)))
-
-
-def config_mode() -> str:
-    """jsonargparse's parser mode for mpp's configs: read as mpp.config reads them, then their class
-    paths of earlier layouts as today's (mpp.moved)."""
-    set_loader(PARSER_MODE, lambda text: current_class_paths(load_config(text)), (yaml.YAMLError,))
-    return PARSER_MODE
 
 
 def place_run_outputs(config: Any) -> None:

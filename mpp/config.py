@@ -22,16 +22,18 @@ from jsonargparse import get_loader, set_loader
 from omegaconf import OmegaConf
 
 from mpp.errors import ConfigError
+from mpp.moved import current_class_paths
 
 PARSER_MODE = "mpp"  # jsonargparse's name for this way of reading configs
 BASE_KEY = "__base__"
 
 
 def load_config(text: str) -> Any:
-    """A config's text -> its value, as parser mode "omegaconf" reads it, `__base__` files merged in;
-    a `__base__` path is relative to the config that names it (jsonargparse reads a config from
-    inside its folder, so relative to the working folder here)."""
-    return resolved(get_loader("yaml")(text), os.getcwd(), ())
+    """A config's text -> its value, as parser mode "omegaconf" reads it, `__base__` files merged in
+    and class paths of earlier layouts made today's (mpp.moved); a `__base__` path is relative to the
+    config that names it (jsonargparse reads a config from inside its folder, so relative to the
+    working folder here)."""
+    return current_class_paths(resolved(get_loader("yaml")(text), os.getcwd(), ()))
 
 
 def read_config(path: str | os.PathLike) -> Any:
