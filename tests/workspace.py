@@ -7,12 +7,15 @@ Commands run with this folder as their working directory, so every relative path
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import runpy
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 from shardkit import sample, write_shard
 
@@ -24,6 +27,26 @@ NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 # Shard sets the shipped configs, the README and docs/ name by default: (folder, prefix, shards, labelled).
 DEFAULT_SHARDS = [("my-images", "train", 1024, False), ("imagenet", "train", 1024, True), ("imagenet", "val", 64, True)]
+
+
+def tool(name: str) -> ModuleType:
+    """A script of tools/ as a module, so that its main() runs in this process (the scripts are not a
+    package, and the package's import is slow in a subprocess)."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def help_of(module: str, monkeypatch, capsys) -> str:
+    """`python -m <module> --help`, run as __main__ in this process -> what it printed (a usage)."""
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    try:
+        runpy.run_module(module, run_name="__main__")
+    except SystemExit as exit_:
+        assert exit_.code in (0, None), f"{module} --help exited {exit_.code}"
+    return capsys.readouterr().out
 
 
 def make_workspace(folder: Path) -> Path:

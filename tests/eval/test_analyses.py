@@ -12,13 +12,13 @@ import json
 import math
 from pathlib import Path
 
-import analyse as analyse_tool  # tools/analyse.py
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
 from PIL import Image
 from shardkit import encode, write_shard
+from workspace import tool
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
 from mpp.eval.analyses import (
@@ -34,6 +34,7 @@ from mpp.eval.analysis_callback import EncoderAnalysis
 from mpp.eval.figures import mosaic
 from mpp.model.pixels import Normalise
 
+ANALYSE = tool("analyse")  # tools/analyse.py
 TINY = ViTConfig(image_size=16, patch_size=4, dim=32, depth=2, heads=4, mlp_dim=64)
 
 
@@ -240,7 +241,7 @@ def test_the_tool_analyses_several_checkpoints_each_at_its_own_size(tmp_path):
     out = tmp_path / "analysis"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = analyse_tool.main([str(rgb), str(grey), "--names", "MPP", "from scratch", "--images", images,
+        code = ANALYSE.main([str(rgb), str(grey), "--names", "MPP", "from scratch", "--images", images,
                                   "--out", str(out), "--num-images", "6", "--map-images", "3", "--device", "cpu"])
     assert code == 0
     assert sorted(p.name for p in out.iterdir()) == sorted([
@@ -257,22 +258,22 @@ def test_the_tool_analyses_several_checkpoints_each_at_its_own_size(tmp_path):
     assert len(mpp["filters"]["explained_variance_ratio"]) == 28  # min(28, D=32, 3·4·4)
     assert len(scratch["filters"]["explained_variance_ratio"]) == 16  # D = 16 filters of 1·4·4
     # The tool's numbers are analyse's on the same images.
-    encoder, normalise = analyse_tool.encoder_and_normalisation(str(grey))
-    direct = analyse(encoder, analyse_tool.sized_images(images, encoder.config, 6), normalise=normalise)
+    encoder, normalise = ANALYSE.encoder_and_normalisation(str(grey))
+    direct = analyse(encoder, ANALYSE.sized_images(images, encoder.config, 6), normalise=normalise)
     torch.testing.assert_close(torch.tensor(scratch["attention_distance"]["per_head"]), direct.distances)
     assert "from scratch: mean attention distance per block" in printed.getvalue()
 
 
 def test_the_tool_names_checkpoints_by_the_parts_of_their_paths_that_differ():
     paths = ["runs/demo/pretrain/checkpoints/last.ckpt", "runs/demo/finetune/checkpoints/last.ckpt"]
-    assert analyse_tool.default_names(paths) == ["pretrain-last", "finetune-last"]
-    assert analyse_tool.default_names(["a/mpp.ckpt", "a/scratch.ckpt"]) == ["mpp", "scratch"]
+    assert ANALYSE.default_names(paths) == ["pretrain-last", "finetune-last"]
+    assert ANALYSE.default_names(["a/mpp.ckpt", "a/scratch.ckpt"]) == ["mpp", "scratch"]
 
 
 def test_the_tool_refuses_names_that_do_not_fit_the_checkpoints(tmp_path, capsys):
-    code = analyse_tool.main(["a.ckpt", "b.ckpt", "--names", "MPP", "--images", "x.tar", "--out", str(tmp_path)])
+    code = ANALYSE.main(["a.ckpt", "b.ckpt", "--names", "MPP", "--images", "x.tar", "--out", str(tmp_path)])
     assert code == 2 and "one name per checkpoint" in capsys.readouterr().err
-    code = analyse_tool.main(["a.ckpt", "b.ckpt", "--names", "a b", "a_b", "--images", "x.tar", "--out", str(tmp_path)])
+    code = ANALYSE.main(["a.ckpt", "b.ckpt", "--names", "a b", "a_b", "--images", "x.tar", "--out", str(tmp_path)])
     assert code == 2 and "distinct in file names" in capsys.readouterr().err
 
 

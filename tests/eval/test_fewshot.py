@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib.util
 import inspect
 import io
 from dataclasses import asdict, replace
@@ -17,7 +16,7 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 from shardkit import encode, sample, write_shard
-from workspace import ROOT
+from workspace import tool
 
 import mpp.eval.fewshot
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
@@ -25,14 +24,6 @@ from mpp.eval.fewshot import DEFAULTS, FewShotEvaluation, extract_features
 from mpp.eval.frozen import evaluate_checkpoint, score_features
 from mpp.eval.knn import knn_accuracy, knn_predictions
 from mpp.eval.linear import choose_l2, fewshot_accuracy, fewshot_evaluation, linear_probe, pick_shots
-
-
-def fewshot_tool():
-    """tools/fewshot.py as a module."""
-    spec = importlib.util.spec_from_file_location("fewshot_tool", ROOT / "tools" / "fewshot.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
 
 
 def clusters(per_class: int, *, classes: int = 10, dim: int = 32, noise: float = 0.1, seed: int = 0):
@@ -133,7 +124,7 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
     trainer.save_checkpoint(tmp_path / "mpp.ckpt")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # with the callback's own default number of workers
-        code = fewshot_tool().main([str(tmp_path / "mpp.ckpt"), "--train", train, "--test", test, "--shots", "1",
+        code = tool("fewshot").main([str(tmp_path / "mpp.ckpt"), "--train", train, "--test", test, "--shots", "1",
                                     "2", "--seeds", "2", "--max-train", "30", "--max-test", "30",
                                     "--precision", "32-true"])  # the callback's, under this Trainer
     assert code == 0
@@ -200,7 +191,7 @@ def test_the_callback_the_function_and_the_tool_share_one_set_of_defaults():
         defaults = {name: default for name, default in parameters.items() if name in wanted}
         assert defaults == {name: wanted[name] for name in defaults}, function.__name__
     assert DEFAULTS.probe_l2s == tuple(4.0**power for power in range(-2, 8))  # as the README and docstrings say
-    options = vars(fewshot_tool().argument_parser().parse_args(["a.ckpt", "--train", "a.tar", "--test", "b.tar"]))
+    options = vars(tool("fewshot").argument_parser().parse_args(["a.ckpt", "--train", "a.tar", "--test", "b.tar"]))
     del wanted["every_n_steps"]  # the callback's alone
     lists = {"shots": list(DEFAULTS.shots), "probe_l2s": list(DEFAULTS.probe_l2s)}
     assert {name: options[name] for name in wanted} == {**wanted, **lists}

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from export import main as export_main
 from safetensors.torch import load_file
-from workspace import TESTS
+from workspace import TESTS, tool
 
 from mpp import OptimizerConfig, ViT, ViTConfig
 from mpp.data.transforms import ImageTransform
@@ -32,6 +31,7 @@ MEAN, STD = [0.25], [0.4]
 SGD = OptimizerConfig(name="sgd", lr=0.03, warmup_steps=2)
 REAL = TESTS / "fixtures" / "before-layout" / "pretrain.ckpt"  # written by `mpp fit` (its README says how)
 TOLERANCE = 1e-5
+export_main = tool("export").main  # tools/export.py
 
 
 def encoder(config: ViTConfig, seed: int = 0) -> ViT:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from export import main as export_main
 from safetensors.torch import load_file, save_file
-from test_export import REAL, SGD, TINY, TOLERANCE, WIDE, all_tokens, encoder, export, images
+from test_export import REAL, SGD, TINY, TOLERANCE, WIDE, all_tokens, encoder, export, export_main, images
 
 from mpp import ImageClassifier, MaskedPatchPretraining, ViTConfig
 from mpp.model.checkpoint import load_encoder, read_checkpoint

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from export import main as export_main
+from test_export import encoder, export_main
 from workspace import ROOT
 
 from mpp import CorruptionConfig, ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViT, ViTConfig
@@ -37,16 +37,6 @@ ADAM = OptimizerConfig(name="adamw", lr=1e-3, warmup_steps=2)
 
 def count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def perturbed(config: ViTConfig, seed: int = 0) -> ViT:
-    """An encoder with every weight moved off its initial value, in eval mode."""
-    torch.manual_seed(seed)
-    model = ViT(config).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.2 * torch.randn_like(parameter))
-    return model
 
 
 def test_r50_vit_b16_has_the_parameters_of_timms_vit_base_r50_s16_224_without_its_head():
@@ -266,7 +256,7 @@ def test_timm_export_refuses_a_stem_timm_does_not_build(tmp_path: Path):
 
 
 def test_a_timm_export_of_an_r50_hybrid_comes_back_exactly(tmp_path: Path):
-    model = perturbed(R50_TINY)
+    model = encoder(R50_TINY)
     write_export(tmp_path, model.state_dict(), R50_TINY, "timm", mean=[0.5], std=[0.5])
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architecture"] == "vit_base_r50_s16_224" and saved["model_args"]["embed_dim"] == 32
@@ -291,7 +281,7 @@ def same_outputs(theirs: torch.nn.Module, ours: ViT) -> None:
 @pytest.mark.bench
 def test_timm_loads_the_hybrid_export_and_computes_our_encoder(tmp_path: Path):
     timm = pytest.importorskip("timm")
-    ours = perturbed(R50_TINY)
+    ours = encoder(R50_TINY)
     write_export(tmp_path, ours.state_dict(), R50_TINY, "timm", mean=[0.5], std=[0.5])
     same_outputs(timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval(), ours)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import io
 import json
 import pickle
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from workspace import ROOT
+from workspace import ROOT, tool
 
 from mpp.shards.format import ShardError
 from mpp.shards.images import IMAGE_EXTENSIONS, is_16bit, to_8bit
@@ -42,14 +41,6 @@ from mpp.shards.writer import (
 )
 
 QUIET = WriteOptions(progress=False)
-
-
-def _tool(name: str):
-    """Import a script from tools/ so its main() runs in-process (the package import is slow)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _options(**changes) -> WriteOptions:
@@ -262,7 +253,7 @@ def test_refuses_to_overwrite_unless_asked(tmp_path: Path, folder) -> None:
 
 
 def test_cli_refusal_and_overwrite(tmp_path: Path, folder, capsys) -> None:
-    make = _tool("make_shards")
+    make = tool("make_shards")
     argv = ["folder", str(folder[0]), "--out", str(tmp_path), "--no-progress", "--shard-samples", "4"]
     assert make.main(argv) == 0
     assert make.main(argv) == 1
@@ -392,7 +383,7 @@ def test_inspector_counts_and_verify(tmp_path: Path, folder) -> None:
 def test_inspector_cli_exit_codes(tmp_path: Path, folder, capsys) -> None:
     out = tmp_path / "out"
     write_shards(image_folder(folder[0]), out, "train", QUIET)
-    assert _tool("inspect_shards").main([str(out / "train.json"), "--verify"]) == 0
+    assert tool("inspect_shards").main([str(out / "train.json"), "--verify"]) == 0
     assert "verified: 7 samples" in capsys.readouterr().out
     (out / "train.json").write_text(json.dumps({"format": "mpp-shards/1", "samples": 8, "shards": [
         {"name": "train-000000.tar", "samples": 8}]}))
@@ -474,7 +465,7 @@ def test_inspector_reads_gzip_shards_and_reports_broken_gzip(tmp_path: Path, fol
     (tmp_path / "a.tar.gz").write_bytes(packed)
     (tmp_path / "b.tgz").write_bytes(gzip.compress((out / "train-000001.tar").read_bytes()))
     (tmp_path / "cut.tar.gz").write_bytes(packed[: len(packed) // 2])
-    assert _tool("inspect_shards").main([str(tmp_path / "a.tar.gz"), str(tmp_path / "b.tgz"), "--verify"]) == 0
+    assert tool("inspect_shards").main([str(tmp_path / "a.tar.gz"), str(tmp_path / "b.tgz"), "--verify"]) == 0
     assert "verified: 7 samples" in capsys.readouterr().out
     report = inspect_shards([str(tmp_path / "cut.tar.gz")])
     assert len(report.problems) == 1 and report.problems[0].startswith(
@@ -483,7 +474,7 @@ def test_inspector_reads_gzip_shards_and_reports_broken_gzip(tmp_path: Path, fol
 
 def test_inspector_reports_members_that_are_not_adjacent(tmp_path: Path, capsys) -> None:
     shard = _tar(tmp_path / "apart.tar", [("a.png", _png(1)), ("b.png", _png(2)), ("a.cls", b"0"), ("b.cls", b"1")])
-    assert _tool("inspect_shards").main([str(shard)]) == 1
+    assert tool("inspect_shards").main([str(shard)]) == 1
     err = capsys.readouterr().err
     assert (f"{shard}: members out of order after 1 samples: member 'a.cls' belongs to sample 'a', which came "
             "earlier in this tar (the sample in hand is 'b'): the members of one sample must be adjacent. "
@@ -492,7 +483,7 @@ def test_inspector_reports_members_that_are_not_adjacent(tmp_path: Path, capsys)
 
 def test_make_shards_names_skip_bad_when_an_image_is_broken(tmp_path: Path, folder, capsys) -> None:
     (folder[0] / "cat" / "broken.jpg").write_bytes(b"not a jpeg")
-    make = _tool("make_shards")
+    make = tool("make_shards")
     argv = ["folder", str(folder[0]), "--out", str(tmp_path / "out"), "--no-progress"]
     assert make.main(argv) == 1
     err = capsys.readouterr().err
@@ -546,7 +537,7 @@ def test_holdout_split_is_seeded_disjoint_and_covers_the_source(tmp_path: Path) 
 
 
 def test_make_shards_holdout_writes_two_sets_or_neither(tmp_path: Path, folder, capsys) -> None:
-    make = _tool("make_shards")
+    make = tool("make_shards")
     out = tmp_path / "out"
     argv = ["folder", str(folder[0]), "--out", str(out), "--no-progress", "--holdout", "2", "--seed", "3"]
     assert make.main(argv + ["--holdout-prefix", "held"]) == 0
