@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from experiments.report import interval, pct
+from experiments.report import interval, pct, write_results
 from experiments.runner import checkpointing, cli, output_to, run_outputs
 from experiments.stats import paired, summarise
 from mpp.eval.analyses import sized_images
@@ -199,10 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     study = {"command": command.strip(), "steps": args.steps, "seeds": seeds, "images": args.images,
              "count": args.count, "runs": runs, "summary": summary(runs, modes)}  # fmt: skip
     table = render(study)
-    for folder in [out] + ([results_folder] if results_folder else []):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "leakage.json").write_text(json.dumps(study, indent=1))
-        (folder / "leakage.md").write_text(table + "\n")
+    write_results([out] + ([results_folder] if results_folder else []), "leakage", study, table)
     print(table)
     return 0
 

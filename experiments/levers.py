@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import study
-from experiments.report import interval, pct
+from experiments.report import interval, pct, write_results
 from experiments.reuse import covers
 from experiments.stats import summarise
 
@@ -189,10 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise_levers(studies, args.quick)
     summary["command"] = command.strip()
     table = render(summary, command.strip())
-    for folder in [out] + ([Path(args.results)] if args.results else []):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "levers.json").write_text(json.dumps(summary, indent=1))
-        (folder / "levers.md").write_text(table + "\n")
+    write_results([out] + ([Path(args.results)] if args.results else []), "levers", summary, table)
     print(table)
     return 0
 

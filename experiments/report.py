@@ -132,6 +132,15 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
     }
 
 
+def write_results(folders: Sequence[Path], name: str, record: dict[str, Any], table: str) -> None:
+    """A study's record as <name>.json and its table as <name>.md, into each folder (its run folder and
+    results/, where asked)."""
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.json").write_text(json.dumps(record, indent=1))
+        (folder / f"{name}.md").write_text(table + "\n")
+
+
 def pct(summary: dict[str, Any]) -> str:
     """mean ± std in percent."""
     return f"{100 * summary['mean']:.1f} ± {100 * summary['std']:.1f}"

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from experiments.plan import outline, steps_of
-from experiments.report import plot_accuracy, plot_curves, render, summarise_study
+from experiments.report import plot_accuracy, plot_curves, render, summarise_study, write_results
 from experiments.reuse import extends, note_arms, reuse_runs, shared_runs
 from experiments.runner import run_study
 from experiments.settings import ARMS, FIRST_ARMS, VARIANTS, Settings, Splits
@@ -229,10 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     study["command"] = command.strip()
     table = render(study, command.strip())
     folders = [out] + ([results] if results else [])
+    write_results(folders, "study", study, table)
     for folder in folders:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "study.json").write_text(json.dumps(study, indent=1))
-        (folder / "study.md").write_text(table + "\n")
         plot_accuracy(study, folder / "accuracy.png")
         plot_curves(study, folder / "curves.png")
     print(table)

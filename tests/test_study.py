@@ -5,7 +5,6 @@ choice made on the test set, a second invocation resuming instead of rerunning."
 from __future__ import annotations
 
 import json
-import runpy
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workspace import ROOT, environment
+from workspace import ROOT, environment, help_of
 
 from experiments.plan import Plan, outline
 from experiments.report import audit_test_reads
@@ -34,12 +33,7 @@ def test_the_experiments_are_the_studies_and_their_harness() -> None:
 @pytest.mark.parametrize("name", STUDIES)
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # imported above, run again
 def test_every_study_says_how_to_use_it(name: str, monkeypatch, capsys) -> None:
-    """`python -m experiments.<name> --help`, run as __main__ in this process."""
-    monkeypatch.setattr(sys, "argv", [name, "--help"])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_module(f"experiments.{name}", run_name="__main__")
-    assert exit_.value.code in (0, None)
-    assert capsys.readouterr().out.startswith("usage:")
+    assert help_of(f"experiments.{name}", monkeypatch, capsys).startswith("usage:")
 
 @pytest.mark.parametrize(("df", "expected"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (30, 2.0423)])
 def test_t_quantiles_are_the_tables(df: int, expected: float) -> None:
