@@ -22,7 +22,7 @@ from mpp.data.remote import ShardOpenError, open_url
 from mpp.data.transforms import DECODE_ERRORS
 from mpp.data.workers import Trail
 from mpp.secrets import redact
-from mpp.shards.tar import MemberOrderError, iter_samples
+from mpp.shards.tar import EmptyFileError, MemberOrderError, iter_samples
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,13 @@ def some_urls(urls: Sequence[str]) -> str:
     return ", ".join(urls[:3]) + (f" and {len(urls) - 3} more" if len(urls) > 3 else "")
 
 
-def _empty_message(share: Sequence[str]) -> str:
+def _empty_message(share: Sequence[str], empty_files: set[str]) -> str:
+    files = [url for url in share if url in empty_files]
+    tars = [url for url in share if url not in empty_files]
+    kinds = [f"empty (a tar with no members): {some_urls(tars)}"] if tars else []
+    kinds += [f"an empty file (0 bytes): {some_urls(files)}"] if files else []
     return (
-        f"every shard this stream draws from is empty (a tar with no members): {some_urls(share)}; there is "
+        f"every shard this stream draws from is {'; or '.join(kinds)}; there is "
         "nothing to train on. Check them with `python tools/inspect_shards.py <shards>`"
     )
 
@@ -90,7 +94,8 @@ class Skips:
 
     def __init__(self) -> None:
         self.count = self.streak = 0
-        self.empty_shards: set[str] = set()  # shards that were whole tars without a member
+        self.empty_shards: set[str] = set()  # shards that were whole tars without a member, or empty files
+        self.empty_files: set[str] = set()  # shards of 0 bytes (each read is also a skip: data may be lost)
 
     def add(self, what: str, error: BaseException) -> None:
         self.count += 1
@@ -150,7 +155,8 @@ class ShardReader:
             return self.share[index] if index < len(self.share) else None
         if index not in self.drawn:
             if self.skips.empty_shards.issuperset(self.urls[at] for at in self.share):
-                raise EmptyShardsError(redact(_empty_message([self.urls[at] for at in self.share])))
+                share = [self.urls[at] for at in self.share]
+                raise EmptyShardsError(redact(_empty_message(share, self.skips.empty_files)))
             self.drawn[index] = self.rng.choice(self.share)
         return self.drawn[index]
 
@@ -201,6 +207,10 @@ def shard_samples(url: str, skips: Skips, allow_pipe: bool, trail: Trail) -> Ite
         raise  # the storage, not the shard, failed and its retries are spent: stop, naming the URL
     except MemberOrderError as error:  # labels parted from images: a wrong result, not a skip
         raise MemberOrderError(redact(f"shard {url}: {error}")) from None
+    except EmptyFileError as error:  # a skip, and among the empty shards a resampled stream may stop on
+        skips.empty_shards.add(url)
+        skips.empty_files.add(url)
+        skips.add(f"shard {url}", error)
     except BAD_INPUT as error:
         skips.add(f"shard {url} after sample {last}" if last else f"shard {url}", error)
     finally:

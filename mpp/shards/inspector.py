@@ -16,7 +16,7 @@ from PIL import Image
 
 from mpp.shards.format import FORMAT, SHARD_NAME, ShardError, sidecar_name
 from mpp.shards.images import IMAGE_EXTENSIONS
-from mpp.shards.tar import MemberOrderError, iter_samples
+from mpp.shards.tar import EmptyFileError, MemberOrderError, iter_samples
 
 
 @dataclass
@@ -118,6 +118,8 @@ def _read_shard(shard: Path, report: Inspection, verify: bool, labelled: bool, s
                 _check_sample(shard, key, sample, report, verify, labelled)
     except MemberOrderError as error:
         report.problems.append(f"{shard}: members out of order after {count} samples: {error}")
+    except EmptyFileError as error:
+        report.problems.append(f"{shard}: {error}")
     # As in the loader, the sample in hand where a tar breaks off is not counted: it may lack a member.
     except tarfile.ReadError as error:
         report.problems.append(f"{shard}: truncated or garbled after {count} complete samples ({error})")

@@ -13,8 +13,9 @@ This reader handles what shard writers emit (ustar, GNU long names, pax path/siz
 A gzip-compressed tar (.tar.gz, .tgz) is recognised by its first bytes, whatever its name,
 and decompressed as it is read; broken gzip data raises tarfile.ReadError too.
 
-Damage raises tarfile.ReadError where it is met: a stream that ends before the
-end-of-archive marker (wherever it stops), a header that fails its checksum, a negative
+A file of 0 bytes raises EmptyFileError, a tarfile.ReadError told apart from a tar cut short:
+a copy or upload that wrote nothing. Damage raises tarfile.ReadError where it is met: a
+stream that ends before the end-of-archive marker (wherever it stops), a header that fails its checksum, a negative
 or malformed size or pax record, and data after the end-of-archive marker (a zeroed
 header inside the archive looks like the marker; what follows gives it away). A member
 that claims more bytes than the stream holds costs no more memory than the stream has.
@@ -39,6 +40,10 @@ class _Readable(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
+class EmptyFileError(tarfile.ReadError):
+    """A shard of 0 bytes: not a tar at all, rather a copy or upload that wrote nothing."""
+
+
 class MemberOrderError(tarfile.ReadError):
     """A key met again after another key in one tar: the members of its samples are not adjacent."""
 
@@ -46,6 +51,8 @@ class MemberOrderError(tarfile.ReadError):
 def iter_files(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
     """Yield (member name, contents) for every regular file in a tar stream, gzip-compressed or not."""
     head = _read_upto(stream, len(GZIP_MAGIC))
+    if not head:
+        raise EmptyFileError("an empty file (0 bytes), not a tar")
     if head != GZIP_MAGIC:
         yield from _tar_files(_Rejoined(head, stream))
         return

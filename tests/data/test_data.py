@@ -381,11 +381,11 @@ def test_a_worker_killed_while_the_main_process_trains_names_its_shard(shards: s
 
 
 def test_a_stream_with_nothing_readable_fails_instead_of_spinning(tmp_path: Path) -> None:
-    empty = tmp_path / "empty-000000.tar"
-    empty.write_bytes(b"")
-    dm = make(str(empty), resampled=True, samples_per_epoch=8)
+    broken = tmp_path / "broken-000000.tar"
+    broken.write_bytes(b"this is not a tar archive" * 40)  # a file of 0 bytes is an empty shard instead
+    dm = make(str(broken), resampled=True, samples_per_epoch=8)
     dm.setup("fit")
-    with pytest.raises(RuntimeError, match="in a row were unreadable.*empty-000000.tar"):
+    with pytest.raises(RuntimeError, match="in a row were unreadable.*broken-000000.tar"):
         next(iter(dm.train_dataloader()))
 
 
