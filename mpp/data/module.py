@@ -31,7 +31,7 @@ from mpp.data.device_decode import finish_on_device, torchvision_io
 from mpp.data.loader import ShardLoader, gather_ranks
 from mpp.data.stream import Decode, StreamSettings
 from mpp.data.transforms import Encoder, ImageTransform, fitted_shape, pair
-from mpp.data.urls import check_repeated, expand_urls
+from mpp.data.urls import check_repeated, expand_shards, names_indexes
 from mpp.errors import ConfigError
 from mpp.secrets import redact, redact_tree
 from mpp.shards.images import DEFAULT_MAX_PIXELS
@@ -72,7 +72,8 @@ class ShardDataModule(pl.LightningDataModule):
             rank draws from its own shards, urls[rank::world_size], and each of its workers
             from its own part of those, where there are enough; with fewer shards than ranks
             every rank draws from all (and a warning says so).
-        samples_per_epoch: global training samples per epoch; required with `resampled`.
+        samples_per_epoch: global training samples per epoch; required with `resampled`, unless train
+            names shard indexes (`train.json`) only: the samples they list, then.
         seed: seeds shard order, sample shuffle and augmentation (with epoch, step, rank and worker).
         allow_pipe: allow pipe: URLs, which run shell commands.
         max_image_pixels: an image whose header declares more pixels is skipped (and counted)
@@ -139,10 +140,10 @@ class ShardDataModule(pl.LightningDataModule):
             "a positive number",
         )
         _require(
-            not resampled or samples_per_epoch is not None,
+            not resampled or samples_per_epoch is not None or names_indexes(train),
             "samples_per_epoch",
             samples_per_epoch,
-            "set with resampled=True, which makes an endless stream",
+            "set with resampled=True, which makes an endless stream (or data.train a shard index, whose samples it is)",
         )
         _require(max_image_pixels >= 1, "max_image_pixels", max_image_pixels, "a positive number of pixels")
         _require(decode in ("cpu", "device"), "decode", decode, '"cpu" or "device"')
@@ -225,7 +226,10 @@ class ShardDataModule(pl.LightningDataModule):
             spec = self.specs[split]
             if spec is not None and split not in self.urls:  # once: check() may have done it
                 try:
-                    self.urls[split] = expand_urls(spec, allow_pipe=self.allow_pipe)
+                    shards = expand_shards(spec, allow_pipe=self.allow_pipe)
+                    self.urls[split] = shards.urls
+                    if split == "train" and self.samples_per_epoch is None:  # an epoch: the samples the index lists
+                        self.samples_per_epoch = shards.samples
                     check_repeated(split, self.urls[split])
                 except (OSError, ValueError) as error:
                     raise ConfigError(redact(f"data.{split}: {error}")) from error

@@ -1,8 +1,10 @@
-"""Shard specs -> shard URLs, when the config is read: brace patterns, local globs, checks.
+"""Shard specs -> shard URLs, when the config is read: brace patterns, local globs, shard indexes, checks.
 
 A local shard must exist and be a file (a folder is answered with the patterns to give
 instead); s3://, gs:// and http(s):// URLs are taken as written (mpp.data.remote reads them);
-pipe: URLs run shell commands and are refused unless the config allows them.
+pipe: URLs run shell commands and are refused unless the config allows them. A shard index
+(`train.json`, the sidecar tools/make_shards.py writes), local or remote, stands for the shards
+it lists, beside it, and their sample counts.
 """
 
 from __future__ import annotations
@@ -11,18 +13,30 @@ import glob
 import logging
 import os
 import re
+import urllib.parse
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import braceexpand
 
+from mpp.shards.format import INDEX_HINT, ShardError, parse_index
 from mpp.shards.images import IMAGE_EXTENSIONS
 
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
+INDEX_LIMIT = 64 << 20  # bytes: a file bigger than this is no shard index
 log = logging.getLogger("mpp")
 
 
-def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[str]:
-    """A shard spec (path, brace pattern, local glob, URL, or a list of those) -> the list of shard URLs.
+@dataclass(frozen=True)
+class ShardSet:
+    """A split's shard URLs, and the samples they hold where shard indexes name them all (else None)."""
+
+    urls: list[str]
+    samples: int | None
+
+
+def expand_shards(spec: str | Sequence[str], *, allow_pipe: bool = False) -> ShardSet:
+    """A shard spec (path, brace pattern, local glob, URL, shard index, or a list of those) -> its shards.
 
     Local shards must exist; `pipe:` commands are refused unless `allow_pipe`.
     """
@@ -30,10 +44,81 @@ def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[
     if not items:
         raise ValueError("the shard list is empty: give a path, a brace pattern or a URL")
     urls: list[str] = []
+    samples: int | None = 0
     for item in items:
         for url in braceexpand.braceexpand(item):
-            urls.extend(_checked(url, item, allow_pipe))
-    return urls
+            if is_index(url):
+                listed, count = index_shards(url)
+                urls.extend(listed)
+                samples = None if samples is None else samples + count
+            else:
+                urls.extend(_checked(url, item, allow_pipe))
+                samples = None
+    return ShardSet(urls, samples)
+
+
+def expand_urls(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[str]:
+    """A shard spec -> the list of shard URLs (see expand_shards)."""
+    return expand_shards(spec, allow_pipe=allow_pipe).urls
+
+
+def names_indexes(spec: str | Sequence[str] | None) -> bool:
+    """Whether a shard spec names shard indexes only (so that their sample counts are known)."""
+    items = [spec] if isinstance(spec, str) else list(spec or [])
+    return bool(items) and all(is_index(url) for item in items for url in braceexpand.braceexpand(item))
+
+
+def is_index(url: str) -> bool:
+    """Whether a path or URL names a shard index: a .json file (the query of an http(s) URL aside)."""
+    if url.startswith("pipe:"):
+        return False
+    return urllib.parse.urlsplit(url).path.endswith(".json") if "://" in url else url.endswith(".json")
+
+
+def index_shards(url: str) -> tuple[list[str], int]:
+    """A shard index, local or remote -> the URLs of the shards it lists (beside it) and their samples."""
+    try:
+        index = parse_index(_read_index(url), url)
+    except ShardError as error:
+        raise ValueError(str(error)) from None
+    if not index["shards"]:
+        raise ValueError(f"shard index {url} lists no shards")
+    shards = [_beside(url, entry["name"]) for entry in index["shards"]]
+    for shard in shards:
+        if "://" not in shard and not os.path.isfile(shard):
+            raise FileNotFoundError(f"shard {shard} (listed in {url}) does not exist")
+    return shards, sum(entry["samples"] for entry in index["shards"])
+
+
+def _read_index(url: str) -> bytes:
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme in REMOTE_SCHEMES:
+        from mpp.data.remote import open_url  # imported here: mpp.data.remote imports this module
+
+        with open_url(url) as stream:
+            data = stream.read(INDEX_LIMIT + 1)
+    elif scheme in ("", "file"):
+        path = url.removeprefix("file://")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"shard index {path} does not exist{_relative(path)}")
+        with open(path, "rb") as file:
+            data = file.read(INDEX_LIMIT + 1)
+    else:
+        raise ValueError(f"shard index {url!r}: unsupported scheme {scheme!r}; use a path, http(s)://, s3:// or gs://")
+    if len(data) > INDEX_LIMIT:
+        raise ValueError(f"{url} is over {INDEX_LIMIT >> 20} MiB: not a shard index; {INDEX_HINT}")
+    return data
+
+
+def _beside(index: str, name: str) -> str:
+    """The URL or path of the file `name` in the folder of `index`."""
+    if index.startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(index)  # the index's query (a signature) is its own, not the shard's
+        folder = parts.path[: parts.path.rfind("/") + 1]
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, folder + urllib.parse.quote(name), "", ""))
+    if "://" in index and not index.startswith("file://"):
+        return index[: index.rfind("/") + 1] + name
+    return os.path.join(os.path.dirname(index.removeprefix("file://")), name)
 
 
 def check_repeated(split: str, urls: Sequence[str]) -> None:

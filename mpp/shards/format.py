@@ -1,9 +1,12 @@
-"""The shard format mpp writes and reads: shard and sidecar names, the end-of-archive block, the sidecar's tag."""
+"""The shard format mpp writes and reads: shard and sidecar names, the end-of-archive block, the sidecar
+(the set's index: its format tag, its shards' names and sample counts, its classes)."""
 
 from __future__ import annotations
 
+import json
 import re
 import tarfile
+from typing import Any
 
 FORMAT = "mpp-shards/1"  # the sidecar's "format"
 EOF_MARKER = bytes(2 * tarfile.BLOCKSIZE)  # a tar ends with two zero blocks
@@ -36,3 +39,44 @@ def is_shard_of(name: str, prefix: str) -> bool:
 def sidecar_name(prefix: str) -> str:
     """The file name of a set's JSON sidecar: `train.json`."""
     return f"{prefix}.json"
+
+
+INDEX_HINT = "give the <prefix>.json that tools/make_shards.py writes beside its shards, or the tar shards"
+
+
+def parse_index(text: str | bytes, where: str) -> dict[str, Any]:
+    """A sidecar's JSON -> the index, checked: its format tag, and shards as {"name", "samples"} with
+    plain file names (relative to the index's own location); a ShardError saying what `where` is otherwise."""
+    try:
+        index = json.loads(text)
+    except ValueError as error:  # a UnicodeDecodeError too
+        raise ShardError(f"{where} is not JSON ({error}): {INDEX_HINT}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ShardError(f'{where} is {_json_kind(index)}, not a shard index ("format": "{FORMAT}"): {INDEX_HINT}')
+    shards = index.get("shards")
+    if not isinstance(shards, list) or not all(_is_entry(entry) for entry in shards):
+        raise ShardError(
+            f'{where}: a shard index whose "shards" is not a list of {{"name": a file name beside it, '
+            f'"samples": a count}}: rewrite it with tools/make_shards.py'
+        )
+    return index
+
+
+def _is_entry(entry: object) -> bool:
+    if not isinstance(entry, dict):
+        return False
+    name, samples = entry.get("name"), entry.get("samples")
+    plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+    return plain and isinstance(samples, int) and not isinstance(samples, bool) and samples >= 0
+
+
+def _json_kind(value: object) -> str:
+    """What a JSON value is, in a few words: `a JSON object with keys a, b, c`."""
+    if isinstance(value, dict) and "format" in value:
+        return f"a JSON object of format {value['format']!r}"
+    if isinstance(value, dict):
+        keys = ", ".join(list(value)[:5]) + (", ..." if len(value) > 5 else "")
+        return f"a JSON object with keys {keys}" if value else "an empty JSON object"
+    if isinstance(value, list):
+        return f"a JSON list of {len(value)} items"
+    return {str: "a JSON string", bool: "a JSON boolean", type(None): "JSON null"}.get(type(value), "a JSON number")

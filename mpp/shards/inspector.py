@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import tarfile
 from collections import Counter
 from collections.abc import Sequence
@@ -14,7 +13,7 @@ from typing import Any
 from braceexpand import braceexpand
 from PIL import Image
 
-from mpp.shards.format import FORMAT, SHARD_NAME, ShardError, sidecar_name
+from mpp.shards.format import SHARD_NAME, ShardError, parse_index, sidecar_name
 from mpp.shards.images import IMAGE_EXTENSIONS
 from mpp.shards.tar import EmptyFileError, MemberOrderError, iter_samples
 
@@ -38,12 +37,10 @@ class Inspection:
 
 def _load_sidecar(path: Path) -> dict[str, Any]:
     try:
-        sidecar = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
+        text = path.read_bytes()
+    except OSError as error:
         raise ShardError(f"{path}: unreadable sidecar ({error})") from None
-    if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT:
-        raise ShardError(f"{path}: not an {FORMAT} sidecar")
-    return sidecar
+    return parse_index(text, str(path))
 
 
 def resolve_shards(specs: Sequence[str]) -> tuple[list[Path], dict[Path, dict[str, Any]], set[Path]]:
