@@ -14,6 +14,7 @@ from pytorch_lightning.loggers import WandbLogger
 from mpp.model.vit import ViTConfig
 from mpp.train.steps import global_batch_size
 from mpp.train.wandb_records import run_folders
+from mpp.train.wandb_run import finish_quietly
 
 
 def patches_of(encoder: ViTConfig) -> str:
@@ -123,7 +124,8 @@ def folders_of(trainer: pl.Trainer) -> str:
 
 
 def results_summary(trainer: pl.Trainer) -> str:
-    """Where a finished run left its checkpoints, W&B records and pictures."""
+    """Where a finished run left its checkpoints, W&B records and pictures. Its W&B run is finished
+    here, without W&B's closing lines, which would say where it is again."""
     lines = []
     for callback in trainer.checkpoint_callbacks:
         last = getattr(callback, "last_model_path", "")
@@ -140,6 +142,7 @@ def results_summary(trainer: pl.Trainer) -> str:
             shown = run_dir if len(attempts) < 2 else run_dir.parent / f"offline-run-*-{logger.experiment.id}"
             hint = f" (upload with `wandb sync {shown}`)" if os.environ.get("WANDB_MODE") == "offline" else ""
             lines.append(f"mpp: W&B run {run_dir}{hint}")
+            finish_quietly(logger.experiment)
     pictures = Path(trainer.default_root_dir) / "pictures"
     if pictures.is_dir():
         lines.append(f"mpp: pictures in {pictures}")

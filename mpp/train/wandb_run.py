@@ -28,7 +28,9 @@ after the resume: both attempts' rows stay (a W&B history only grows), each unde
 `trainer/global_step` it was logged at.
 
 Offline unless W&B could log in (`choose_wandb_mode`), and without the command line in the
-run's metadata where that holds a credential (`keep_arguments_out_of_wandb`).
+run's metadata where that holds a credential (`keep_arguments_out_of_wandb`). Where a fit's last
+lines say where its run is and how to upload it, W&B's own closing lines, which say it again for
+one folder only, are left out (`finish_quietly`).
 """
 
 from __future__ import annotations
@@ -208,6 +210,23 @@ class WandbRunCheckpoint(pl.Callback):
                 self.records = None
                 return
             time.sleep(0.02)
+
+
+def finish_quietly(run: Any) -> None:
+    """Finish a W&B run without W&B's closing lines, where mpp's last lines say where the run is.
+
+    Left to the process's exit, W&B's service finishes the run and prints, whatever the run's
+    settings, "You can sync this run to the cloud by running: wandb sync <folder>" (naming the last
+    attempt's folder alone, where a resumed run has one per attempt) and "Find logs at:
+    <folder>/logs". Finished here, the run follows its `quiet` setting: those lines go, W&B's
+    warnings and errors stay, and so do, online, the run's and the project's pages, which mpp does
+    not name. wandb has no public way to change a started run's settings: where its private
+    `_settings` has no `quiet`, W&B's lines stay.
+    """
+    settings = getattr(run, "_settings", None)
+    if settings is not None and hasattr(settings, "quiet"):
+        settings.quiet = True
+    run.finish()
 
 
 def wandb_has_credentials() -> bool:

@@ -3,6 +3,8 @@ to go on after a stop, whatever the config leaves out (W&B disabled, no callback
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,11 +23,33 @@ QUICK = ["--data.batch_size", "8", "--data.num_workers", "0", "--trainer.limit_v
 
 def mpp(*args: str, root: Path, **env: str) -> tuple[int, list[str]]:
     """`mpp <args>` in a subprocess with its run under `root` -> (exit code, its `mpp:` lines)."""
+    code, out = console(*args, root=root, **env)
+    lines = [line for line in out if line.startswith("mpp: ")]
+    assert lines, "\n".join(out[-40:])
+    return code, lines
+
+
+def console(*args: str, root: Path, **env: str) -> tuple[int, list[str]]:
+    """`mpp <args>` in a subprocess with its run under `root` -> (exit code, the lines it printed on stdout and
+    stderr, in the order printed, without colours)."""
     command = [sys.executable, "-m", "mpp.cli", *args, *QUICK, "--trainer.default_root_dir", str(root)]
-    done = subprocess.run(command, cwd=ROOT, env=environment(**env), capture_output=True, text=True, timeout=300)
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("mpp: ")]
-    assert lines, done.stdout[-2000:] + done.stderr[-3000:]
-    return done.returncode, lines
+    done = subprocess.run(command, cwd=ROOT, env=environment(PYTHONUNBUFFERED="1", **env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    return done.returncode, re.sub(r"\x1b\[[\d;]*m", "", done.stdout).splitlines()
+
+
+# A warning of W&B's after the run is finished, from the run's own process, as W&B's at its exit would be.
+LATE_WARNING = """
+import atexit
+
+import pytorch_lightning as pl
+import wandb
+
+
+class LateWandbWarning(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        atexit.register(wandb.termwarn, "a warning after the run")
+"""
 
 
 def test_a_model_setting_given_with_a_checkpoint_is_applied_and_said(tmp_path: Path) -> None:
@@ -79,3 +103,36 @@ def test_evaluating_ckpt_path_last_without_a_checkpoint_is_refused(tmp_path: Pat
     assert code == 2
     assert lines[-1] == (f"mpp: error: --ckpt_path last: no last checkpoint in {tmp_path / 'empty' / 'checkpoints'}; "
                          "give the checkpoint's path")
+
+
+def test_a_finished_offline_run_says_where_its_wandb_run_is_once(tmp_path: Path) -> None:
+    # W&B's closing lines repeated mpp's last: "You can sync this run to the cloud by running:",
+    # "wandb sync <the run's folder>", "Find logs at: <the run's folder>/logs".
+    (tmp_path / "late_warning.py").write_text(LATE_WARNING)
+    code, out = console("fit", "--config", DEMO, "--trainer.callbacks+=late_warning.LateWandbWarning",
+                        "--trainer.max_steps", "2",
+                        root=tmp_path / "run", WANDB_SILENT="false",
+                        PYTHONPATH=os.pathsep.join([str(tmp_path), str(TESTS)]))
+    assert code == 0, "\n".join(out[-40:])
+    (folder,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    closing = out[out.index("`Trainer.fit` stopped: `max_steps=2` reached.") + 1:]
+    assert closing == [
+        f"mpp: checkpoint {tmp_path / 'run' / 'checkpoints' / 'last.ckpt'} (resume with --ckpt_path last)",
+        f"mpp: W&B run {folder} (upload with `wandb sync {folder}`)",
+        "wandb: WARNING a warning after the run",
+    ]
+    assert sum(f"wandb sync {folder}" in line for line in out) == 1
+    assert not any("You can sync this run" in line or "Find logs at" in line for line in out)
+
+
+def test_a_stopped_offline_run_leaves_the_upload_hint_to_wandb(tmp_path: Path) -> None:
+    # mpp names no W&B run when a fit stops: W&B's closing lines are then the one place that does.
+    callbacks = {"trainer": {"callbacks": [{"class_path": "probes.Sigterm", "init_args": {"step": 1}}]}}
+    (tmp_path / "stop.yaml").write_text(yaml.safe_dump(callbacks))
+    code, out = console("fit", "--config", DEMO, "--config", str(tmp_path / "stop.yaml"), "--trainer.max_steps", "10",
+                        root=tmp_path / "run", WANDB_SILENT="false")
+    assert code == 128 + signal.SIGTERM, "\n".join(out[-40:])
+    (folder,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    assert sum(f"wandb sync {folder}" in line for line in out) == 1
+    assert out[-5].startswith("mpp: stopped by SIGTERM; ")
+    assert out[-3:-1] == ["wandb: You can sync this run to the cloud by running:", f"wandb: wandb sync {folder}"]
