@@ -46,6 +46,7 @@ from mpp.summary import (
 )
 from mpp.train.callbacks import RankFailure
 from mpp.train.checkpoint_io import AtomicCheckpointIO, check_checkpoint
+from mpp.train.predictions import PredictionWriter
 from mpp.train.wandb_run import (
     WandbRunCheckpoint,
     choose_wandb_mode,
@@ -77,6 +78,13 @@ class MPPCLI(LightningCLI):
         kwargs.setdefault("parser_mode", register_parser_mode())
         return super().init_parser(**kwargs)
 
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        """Lightning's parser of a subcommand; predict's runs a PredictionWriter and takes its `--predictions.*`."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":
+            parser.add_lightning_class_args(PredictionWriter, "predictions")
+        return parser
+
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
         # Unset: the fastest this machine computes; bf16 where the device would emulate it: 32-true (mpp.precision).
@@ -87,6 +95,8 @@ class MPPCLI(LightningCLI):
         flush_records_often()
         if self.subcommand == "fit":  # validate and test log runs of their own
             continue_checkpointed_run(config)
+        elif self.subcommand == "predict":  # predictions are files, not metrics: no W&B run
+            config.trainer.logger = False
         # `--trainer.enable_progress_bar false` wins over the config's bar.
         if config.trainer.enable_progress_bar is False:
             config.trainer.callbacks = [
@@ -168,19 +178,17 @@ class MPPCLI(LightningCLI):
                 f"mpp: --ckpt_path last: no checkpoint in {folders_of(self.trainer)}: the run starts at step 0"
             )
 
-    def before_validate(self) -> None:
-        self._before_evaluation()
-
-    def before_test(self) -> None:
-        self._before_evaluation()
-
     def _before_evaluation(self) -> None:
+        if self.subcommand == "predict" and not self.config["predict"].get("ckpt_path"):
+            raise ConfigError("mpp predict needs --ckpt_path: the checkpoint to predict with (a .ckpt file, or last)")
         self._check_data(self.subcommand or "")
         if self._wants_last() and not last_checkpoints(self.trainer):
             folders = folders_of(self.trainer)
             raise ConfigError(f"--ckpt_path last: no last checkpoint in {folders}; give the checkpoint's path")
         self._say_precision()
         self._say_overrides()
+
+    before_validate = before_test = before_predict = _before_evaluation
 
     def _wants_last(self) -> bool:
         return self.config[self.subcommand].get("ckpt_path") == "last"

@@ -63,6 +63,8 @@ SHRINK = [
     "2",
     "--trainer.limit_test_batches",
     "2",
+    "--trainer.limit_predict_batches",
+    "2",
     "--trainer.enable_progress_bar",
     "false",
     "--trainer.log_every_n_steps",
@@ -291,6 +293,8 @@ def test_mpp_commands_run_as_written(user: Path, command: list[str]) -> None:
         assert checkpoint_step(user / "runs/demo/pretrain/checkpoints/last.ckpt") == 4
     if argv[1] == "validate":
         assert "val/mpp_accuracy" in out
+    if argv[1] == "predict":  # two batches of two, the shrunk run's
+        assert "mpp: predictions of 4 samples in runs/demo/" in out
     if argv[1] == "test":  # per class, named as the shards' index names them (the shrunk test set holds a few)
         names = json.loads((user / "shards/fashion-mnist/train.json").read_text())["classes"]
         shown = re.findall(r"test/accuracy/([^│┃]+?)\s*│", out)

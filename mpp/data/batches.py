@@ -3,7 +3,8 @@
 Each sample's image is decoded, cropped, resized and flipped (mpp.data.transforms; with
 decode="device" a JPEG stays encoded, with its crop box and flip, for mpp.data.device_decode);
 a sample that cannot be is dropped and counted in the next batch's "skipped". Batches are
-collated in the worker, each with the worker's resume point as it was completed (mpp.data.resume).
+collated in the worker, each with the worker's resume point as it was completed (mpp.data.resume),
+and, for the predict split, the key and shard of each of its samples.
 """
 
 from __future__ import annotations
@@ -49,10 +50,15 @@ class StreamBatch(Batch, total=False):
               and dropped (absent from the empty batches of a rank in step with others).
     jpegs:    decode="device": the samples left encoded; "image" then holds only the others (F <= B),
               "label" every sample's, in the stream's order.
+
+    key:      the predict split's only: each sample's key in its shard (the tar members' shared name).
+    shard:    the predict split's only: int64 (B,), the index of each sample's shard among the split's URLs.
     """
 
     position: ResumePoint
     jpegs: Jpegs
+    key: list[str]
+    shard: Tensor
 
 
 class Crop(NamedTuple):
@@ -87,8 +93,9 @@ def decoded(
     rng: random.Random,
     skips: Skips,
     trail: Trail,
-) -> Iterator[tuple[Example, int]]:
-    """Samples -> (image (H, W, C) uint8 or an encoded JPEG, label or -1); bad samples are counted and dropped."""
+) -> Iterator[tuple[Example, int, tuple[str, str]]]:
+    """Samples -> (image (H, W, C) uint8 or an encoded JPEG, label or -1, (key, shard URL)); bad samples are
+    counted and dropped."""
     for _, sample in samples:
         trail.decoding(sample["__key__"], sample["__url__"])
         try:
@@ -104,37 +111,44 @@ def decoded(
             skips.add(f"sample {sample['__key__']} of {sample['__url__']}", error)
             continue
         skips.streak = 0
-        yield image, label
+        yield image, label, (sample["__key__"], sample["__url__"])
 
 
 def batches(
-    examples: Iterator[tuple[Example, int]],
+    examples: Iterator[tuple[Example, int, tuple[str, str]]],
     batch_size: int,
     skips: Skips,
     shape: tuple[int, int, int],
     where: Callable[[], ResumePoint],
+    *,
+    shards: Sequence[str] | None = None,
 ) -> Iterator[StreamBatch]:
     """Collate into batches; each is held back until the next fills, so skips after the last still count.
 
-    Each batch carries, under "position", the worker's ResumePoint as the batch was completed.
+    Each batch carries, under "position", the worker's ResumePoint as the batch was completed, and
+    given the split's URLs, `shards`, its samples' "key" and "shard" (their URL's index in `shards`).
     A worker with skips but no sample to batch yields a batch of no images, of (C, H, W) `shape`,
     to carry the count; ShardLoader folds it into another batch, so no training step sees it.
     """
+    index = None if shards is None else {url: at for at, url in enumerate(shards)}
     held: StreamBatch | None = None
     images: list[Example] = []
     labels: list[int] = []
-    for image, label in examples:
+    names: list[tuple[str, int]] = []
+    for image, label, (key, url) in examples:
         images.append(image)
         labels.append(label)
+        if index is not None:
+            names.append((key, index[url]))
         if len(images) == batch_size:
             if held is not None:
                 yield held
-            held = _collate(images, labels, skips.take(), shape, where())
-            images, labels = [], []
+            held = _collate(images, labels, skips.take(), shape, where(), names if index is not None else None)
+            images, labels, names = [], [], []
     if images:
         if held is not None:
             yield held
-        held = _collate(images, labels, skips.take(), shape, where())
+        held = _collate(images, labels, skips.take(), shape, where(), names if index is not None else None)
     if held is None and skips.count:
         held = _collate([], [], 0, shape, where())
     if held is not None:
@@ -143,10 +157,16 @@ def batches(
 
 
 def _collate(
-    examples: list[Example], labels: list[int], skipped: int, shape: tuple[int, int, int], position: ResumePoint
+    examples: list[Example],
+    labels: list[int],
+    skipped: int,
+    shape: tuple[int, int, int],
+    position: ResumePoint,
+    names: list[tuple[str, int]] | None = None,
 ) -> StreamBatch:
     """(H, W, C) arrays of (C, H, W) `shape` -> a batch; one strided copy per image (numpy's is twice as
-    fast as torch.stack's). Encoded JPEGs go under "jpegs", their labels in place among the others'."""
+    fast as torch.stack's). Encoded JPEGs go under "jpegs", their labels in place among the others';
+    `names`, each sample's (key, shard index), under "key" and "shard"."""
     pixels = [example for example in examples if isinstance(example, np.ndarray)]
     images = np.empty((len(pixels), *shape), dtype=np.uint8)
     for slot, hwc in zip(images, pixels):
@@ -159,6 +179,9 @@ def _collate(
     }
     if len(pixels) < len(examples):
         batch["jpegs"] = _pack_jpegs(examples)
+    if names is not None:
+        batch["key"] = [key for key, _ in names]
+        batch["shard"] = torch.tensor([shard for _, shard in names], dtype=torch.int64)
     return batch
 
 

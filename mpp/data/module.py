@@ -1,8 +1,8 @@
 """ShardDataModule: WebDataset tar shards -> decoded, augmented uint8 batches.
 
 A batch is a dict, typed mpp.data.batches.Batch: "image" uint8 (B, C, H, W), "label" int64 (B,)
-(-1 unlabelled), "skipped" int64 (); the loader's "position" (and with decode="device",
-"jpegs") are taken off as the batch moves to the device.
+(-1 unlabelled), "skipped" int64 (), and in prediction "key" and "shard"; the loader's "position" (and
+with decode="device", "jpegs") are taken off as the batch moves to the device.
 
 Shards are split over ranks (rank and world size from the trainer) and then over DataLoader
 workers. Without `resampled`, each sample is read once per epoch across all ranks x workers;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 import pytorch_lightning as pl
@@ -50,10 +51,10 @@ class ShardDataModule(pl.LightningDataModule):
     """Shards -> batches {"image": uint8 (B, C, H, W), "label": int64 (B,), "skipped": int64 ()}.
 
     Args:
-        train, val, test: shards of each split: a path, a brace pattern
+        train, val, test, predict: shards of each split: a path, a brace pattern
             (`shards/train-{000000..000009}.tar`), a local glob, an http(s)://, s3://, gs://
             or pipe: URL, or a list of those. Labels are read where present and ignored by
-            pretraining.
+            pretraining. `mpp predict` reads predict, or where it is unset test, else val.
         batch_size: samples per batch on each rank.
         num_workers: DataLoader worker processes per rank (0 reads in the main process).
         image_size: output size, an int or (H, W); null (the default): the encoder's, read from the
@@ -98,6 +99,7 @@ class ShardDataModule(pl.LightningDataModule):
         train: ShardSpec | None = None,
         val: ShardSpec | None = None,
         test: ShardSpec | None = None,
+        predict: ShardSpec | None = None,
         batch_size: int = 64,
         num_workers: int = 4,
         image_size: int | tuple[int, int] | None = None,
@@ -149,7 +151,8 @@ class ShardDataModule(pl.LightningDataModule):
         _require(decode in ("cpu", "device"), "decode", decode, '"cpu" or "device"')
         if decode == "device":
             torchvision_io()  # now, not in the first batch: a missing torchvision is a config error
-        self.specs = {"train": train, "val": val, "test": test}
+        self.specs = {"train": train, "val": val, "test": test, "predict": predict}
+        self.predict_split = next((split for split in ("predict", "test", "val") if self.specs[split]), "predict")
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.resampled, self.samples_per_epoch, self.allow_pipe = resampled, samples_per_epoch, allow_pipe
         self.shard_shuffle, self.shuffle_buffer = shard_shuffle, shuffle_buffer
@@ -182,16 +185,9 @@ class ShardDataModule(pl.LightningDataModule):
         size, channels = fitted_shape(self.image_size, self.channels, encoder)
         splits = self._expand(stage)
         scale, ratio, hflip = self._augment
-        self.train_transform = ImageTransform(
-            size=size, channels=channels, train=True, scale=scale, ratio=ratio, hflip=hflip, max_pixels=self._max_pixels
-        )
-        self.eval_transform = ImageTransform(
-            size=size,
-            channels=channels,
-            train=False,
-            crop_fraction=self._eval_crop_fraction,
-            max_pixels=self._max_pixels,
-        )
+        transform = partial(ImageTransform, size=size, channels=channels, max_pixels=self._max_pixels)
+        self.train_transform = transform(train=True, scale=scale, ratio=ratio, hflip=hflip)
+        self.eval_transform = transform(train=False, crop_fraction=self._eval_crop_fraction)
         train = self.urls.get("train")
         if train is not None and self.world_size > 1 and not self.resampled:
             log.warning(
@@ -218,10 +214,11 @@ class ShardDataModule(pl.LightningDataModule):
 
     def _expand(self, stage: str | None) -> tuple[str, ...]:
         """Expand and check the shards of the splits a stage reads; those splits."""
-        required = {"fit": "train", "validate": "val", "test": "test"}.get(stage or "")
+        required = {"fit": "train", "validate": "val", "test": "test", "predict": self.predict_split}.get(stage or "")
         if required is not None and self.specs[required] is None:
-            raise ValueError(f"stage {stage!r} needs shards for {required!r}: set data.{required}")
-        splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage or "", tuple(self.specs))
+            also = " (or data.test or data.val, read where it is unset)" if stage == "predict" else ""
+            raise ValueError(f"stage {stage!r} needs shards for {required!r}: set data.{required}{also}")
+        splits = ("train", "val") if stage == "fit" else (required,) if required else tuple(self.specs)
         for split in splits:
             spec = self.specs[split]
             if spec is not None and split not in self.urls:  # once: check() may have done it
@@ -252,6 +249,11 @@ class ShardDataModule(pl.LightningDataModule):
         """Test batches: centre crops in shard order."""
         return self._loader("test", train=False)
 
+    def predict_dataloader(self) -> ShardLoader:
+        """Prediction batches of `predict_split`: centre crops in shard order, with their samples' keys and
+        shards; decoded in the workers, as a JPEG the device could not decode would part keys from images."""
+        return self._loader(self.predict_split, train=False, named=True)
+
     def _training_position(self) -> tuple[int, int]:
         """(epoch, global step) as a training stream starts; read at each iter(), as Lightning never
         calls set_epoch on an iterable dataset and the trainer's counts are the truth."""
@@ -259,10 +261,7 @@ class ShardDataModule(pl.LightningDataModule):
             return self.trainer.current_epoch, self.trainer.global_step
         return self._epoch, self._step
 
-    def _eval_position(self) -> tuple[int, int]:
-        return self._training_position()[0], 0
-
-    def _loader(self, split: str, *, train: bool) -> ShardLoader:
+    def _loader(self, split: str, *, train: bool, named: bool = False) -> ShardLoader:
         if split not in self.urls:
             raise RuntimeError(f"no shards for {split!r}: set data.{split} and call setup() first")
         resampled = train and self.resampled
@@ -285,9 +284,10 @@ class ShardDataModule(pl.LightningDataModule):
             resampled=resampled,
             seed=self.seed,
             allow_pipe=self.allow_pipe,
-            decode=self.decode,
+            decode="cpu" if named else self.decode,
+            named=named,
         )
-        position = self._training_position if train else self._eval_position
+        position = self._training_position if train else lambda: (self._training_position()[0], 0)
         loader = ShardLoader(
             settings,
             split=split,
@@ -302,10 +302,9 @@ class ShardDataModule(pl.LightningDataModule):
         return loader
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Lightning's move to the device, as the step that takes the batch begins: a training batch's
-        resume point is noted for the next checkpoint, and a batch with encoded JPEGs (decode="device")
-        is finished there. (Not on_before_batch_transfer: Lightning would then skip a module's own,
-        ImageClassifier's.)"""
+        """Lightning's move to the device, as the step that takes the batch begins: a training batch's resume
+        point is noted for the next checkpoint, and a batch with encoded JPEGs (decode="device") is finished
+        there. (Not on_before_batch_transfer: Lightning would then skip a module's own, ImageClassifier's.)"""
         if isinstance(batch, dict):
             ours = cast(StreamBatch, batch)  # as a ShardLoader yielded it: Lightning hands it on untyped
             if "position" in ours:

@@ -33,7 +33,8 @@ Decode = Literal["cpu", "device"]
 @dataclass(frozen=True)
 class StreamSettings:
     """What a split's stream reads, the same every epoch: its shards, this rank's place among the ranks,
-    the batching, shuffling and transform. `decode="device"` leaves JPEGs encoded for the device."""
+    the batching, shuffling and transform. `decode="device"` leaves JPEGs encoded for the device; `named`
+    batches carry their samples' keys and shards (mpp.data.batches.StreamBatch)."""
 
     urls: tuple[str, ...]
     rank: int
@@ -46,6 +47,7 @@ class StreamSettings:
     seed: int
     allow_pipe: bool
     decode: Decode = "cpu"
+    named: bool = False
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -121,5 +123,10 @@ class ShardStream(IterableDataset):
         transform = settings.transform.for_device if settings.decode == "device" else settings.transform
         examples = decoded(buffer(source), transform, rng, skips, trail)
         return batches(
-            examples, settings.batch_size, skips, settings.shape, lambda: ResumePoint.of(role, reader, buffer)
+            examples,
+            settings.batch_size,
+            skips,
+            settings.shape,
+            lambda: ResumePoint.of(role, reader, buffer),
+            shards=settings.urls if settings.named else None,
         )

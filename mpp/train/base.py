@@ -60,9 +60,11 @@ class EvaluationMeans:
 
 
 class EncoderModule(pl.LightningModule):
-    """A ViT encoder's training plumbing; a subclass gives the `metrics` of a batch, `loss` among them."""
+    """A ViT encoder's training plumbing; a subclass gives the `metrics` of a batch, `loss` among them, and
+    a `predict_step` for `mpp predict` (mpp.train.predictions)."""
 
     metric_names: list[str]  # the keys of `metrics`
+    predicted: dict[str, str]  # the outputs of predict_step, by name: what each holds
 
     def __init__(self, hyperparameters: dict[str, Any]) -> None:
         """`hyperparameters`: the subclass's arguments, in its signature's order, as plain data (`plain`,

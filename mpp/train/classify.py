@@ -44,6 +44,10 @@ class ImageClassifier(EncoderModule):
     """
 
     metric_names = ["loss", "accuracy"]
+    predicted = {
+        "probabilities": "the class probabilities (softmax of the head's logits), columns in the order of `classes`",
+        "predictions": "the most probable class, an index into `classes`",
+    }
     class_correct: Tensor  # buffers, registered in __init__
     class_total: Tensor
 
@@ -115,7 +119,8 @@ class ImageClassifier(EncoderModule):
 
     def on_before_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> dict[str, Tensor]:
         # Checked while the labels are still on the host: on the device it would sync every step.
-        self.check_labels(batch["label"])
+        if not self.trainer.predicting:  # predictions need no labels
+            self.check_labels(batch["label"])
         return batch
 
     def metrics(self, batch: dict[str, Tensor], stage: str) -> dict[str, Tensor]:
@@ -127,6 +132,11 @@ class ImageClassifier(EncoderModule):
             self.class_correct += torch.bincount(labels[correct], minlength=self.num_classes)
             self.class_total += torch.bincount(labels, minlength=self.num_classes)
         return {"loss": F.cross_entropy(logits, labels), "accuracy": correct.float().mean()}
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """A batch's class probabilities, float32 (B, K), and most probable classes, int64 (B,)."""
+        probabilities = self(to_unit_range(batch["image"])).float().softmax(dim=-1)
+        return {"probabilities": probabilities, "predictions": probabilities.argmax(dim=-1)}
 
     def on_test_epoch_start(self) -> None:
         super().on_test_epoch_start()

@@ -63,6 +63,11 @@ class MaskedPatchPretraining(EncoderModule):
     """
 
     target_counts: Tensor  # a buffer, registered in __init__
+    predicted = {
+        "embeddings": "the frozen encoder's representation y = LN(z_L^0), its class token, as the few-shot "
+        "evaluation and the exports take it",
+        "patch_means": "the mean of the frozen encoder's patch tokens, after its final norm",
+    }
 
     def __init__(
         self,
@@ -163,6 +168,13 @@ class MaskedPatchPretraining(EncoderModule):
         if stage != "train":
             self.target_counts += torch.bincount(output.targets.flatten(), minlength=self.outputs)
         return {"loss": loss, "mpp_accuracy": prediction_accuracy(output.predictions, output.targets)}
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+        """A batch's representations, uncorrupted: the class token and the patch tokens' mean, float32 (B, D)."""
+        pixels = self.normalise(to_unit_range(batch["image"]))
+        tokens = self.encoder.add_positions(self.encoder.embed_patches(pixels))
+        representation, patches = self.encoder.encode(tokens)  # (B, D), (B, N, D)
+        return {"embeddings": representation.float(), "patch_means": patches.float().mean(dim=1)}
 
     def on_validation_epoch_start(self) -> None:
         super().on_validation_epoch_start()
