@@ -16,8 +16,9 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 from shardkit import encode, sample, write_shard
-from workspace import tool
+from workspace import mpp_command
 
+import mpp.commands.evaluate as evaluate_command
 import mpp.eval.fewshot
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
 from mpp.eval.fewshot import DEFAULTS, FewShotEvaluation, extract_features
@@ -124,9 +125,9 @@ def test_callback_logs_fewshot_accuracy_during_pretraining_and_the_tool_reads_th
     trainer.save_checkpoint(tmp_path / "mpp.ckpt")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # with the callback's own default number of workers
-        code = tool("fewshot").main([str(tmp_path / "mpp.ckpt"), "--train", train, "--test", test, "--shots", "1",
-                                    "2", "--seeds", "2", "--max-train", "30", "--max-test", "30",
-                                    "--precision", "32-true"])  # the callback's, under this Trainer
+        code = mpp_command("evaluate", str(tmp_path / "mpp.ckpt"), "--train", train, "--test", test, "--shots", "1",
+                           "2", "--seeds", "2", "--max-train", "30", "--max-test", "30",
+                           "--precision", "32-true")  # the callback's, under this Trainer
     assert code == 0
     table = out.getvalue()
     assert "(30 train / 30 test images, mean of 2 seeds)" in table
@@ -191,7 +192,7 @@ def test_the_callback_the_function_and_the_tool_share_one_set_of_defaults():
         defaults = {name: default for name, default in parameters.items() if name in wanted}
         assert defaults == {name: wanted[name] for name in defaults}, function.__name__
     assert DEFAULTS.probe_l2s == tuple(4.0**power for power in range(-2, 8))  # as the README and docstrings say
-    options = vars(tool("fewshot").argument_parser().parse_args(["a.ckpt", "--train", "a.tar", "--test", "b.tar"]))
+    options = vars(evaluate_command.argument_parser().parse_args(["a.ckpt", "--train", "a.tar", "--test", "b.tar"]))
     del wanted["every_n_steps"]  # the callback's alone
     lists = {"shots": list(DEFAULTS.shots), "probe_l2s": list(DEFAULTS.probe_l2s)}
     assert {name: options[name] for name in wanted} == {**wanted, **lists}
@@ -207,7 +208,7 @@ def test_the_callback_evaluates_on_the_runs_own_shards_unless_given_others(tmp_p
     trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[callback], limit_val_batches=0,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(model, data)
-    assert callback.data.specs == {"train": None, "val": train, "test": val}  # read as its val and test splits
+    assert callback.data.specs == {"train": None, "val": train, "test": val, "predict": None}  # read as its val and test splits
     assert callback.num_classes == 3 and callback.history[1].train == 48 and callback.history[1].test == 30
     # 16 of each class: the shots they serve, the others left out and said once
     assert list(callback.history[1].fewshot) == [1, 2] and list(callback.history[0].fewshot) == [1, 2]
