@@ -173,8 +173,8 @@ class ShardLoader:
         return EmptyEpochError(
             redact(
                 f"data.{self.split} yielded no batch{where}: its {len(urls)} shard(s) ({shown}) hold no sample that "
-                "could be read (empty tars, or every sample skipped: the warnings above say why); check them with "
-                "`python tools/inspect_shards.py <shards> --verify`"
+                "could be read (empty files or tars, or every sample skipped: the warnings above say why); check them with "
+                "`mpp shards inspect <shards> --verify`"
             )
         )
 

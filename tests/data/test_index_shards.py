@@ -1,4 +1,4 @@
-"""A shard index (the <prefix>.json tools/make_shards.py writes beside its shards) given where shards are
+"""A shard index (the <prefix>.json `mpp shards write` writes beside its shards) given where shards are
 given: local, or over S3 and HTTP, it stands for the shards it lists, beside it, and an epoch of a resampled
 stream is the samples it lists; a JSON that is not an index is refused saying what it is. A shard of 0 bytes
 is said to be an empty file: among good shards it is skipped and counted, alone it stops the run naming it."""
@@ -151,7 +151,9 @@ def test_only_empty_files_stop_the_run_naming_them(tmp_path: Path) -> None:
         next(iter(dm.train_dataloader()))
     once = make(str(empty[0]))  # read once: the epoch ends without a batch
     once.setup("fit")
-    with pytest.raises(EmptyEpochError, match=re.escape(f"data.train yielded no batch: its 1 shard(s) ({empty[0]})")):
+    with pytest.raises(EmptyEpochError, match=re.escape(
+            f"data.train yielded no batch: its 1 shard(s) ({empty[0]}) hold no sample that could be read (empty files "
+            "or tars")):
         next(iter(once.train_dataloader()))
 
 
@@ -191,7 +193,7 @@ def test_mpp_fit_says_what_a_wrong_file_is(tmp_path: Path, capfd, caplog, monkey
     code, lines = fit(tmp_path, capfd, monkeypatch, ["--data.train", str(config)])
     assert code == 2
     assert lines[-1] == (f'mpp: error: data.train: {config} is a JSON object with keys epochs, not a shard index '
-                         '("format": "mpp-shards/1"): give the <prefix>.json that tools/make_shards.py writes beside '
+                         '("format": "mpp-shards/1"): give the <prefix>.json that `mpp shards write` writes beside '
                          'its shards, or the tar shards')
     monkeypatch.setattr(Skips, "warned", False)  # the first skip of a process is a warning
     zero = tmp_path / "train-000000.tar"
