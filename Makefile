@@ -39,8 +39,8 @@ study: $(VENV)/.installed
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed
-	$(BIN)/ruff check mpp tools experiments benchmarks tests
-	$(BIN)/ruff format --check mpp tools experiments benchmarks
+	$(BIN)/ruff check mpp experiments benchmarks tests
+	$(BIN)/ruff format --check mpp experiments benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(XDIST)
 

@@ -86,7 +86,7 @@ def full_splits() -> Splits:
 
 
 def make_full_shards() -> None:
-    """All of FashionMNIST as shards of 1,000 (tools/make_shards.py), once."""
+    """All of FashionMNIST as shards of 1,000 (`mpp shards write`), once."""
     for split, count in (("train", 60), ("test", 10)):
         if (ROOT / FULL / f"{split}-{count - 1:06d}.tar").exists():
             continue
@@ -94,7 +94,7 @@ def make_full_shards() -> None:
             raise SystemExit(
                 f"study: --full reads FashionMNIST from {FASHION_MNIST_DIR}: apt-get install dataset-fashion-mnist"
             )
-        command = [sys.executable, "tools/make_shards.py", "fashion-mnist", "--split", split, "--out", FULL]
+        command = [sys.executable, "-m", "mpp", "shards", "write", "fashion-mnist", "--split", split, "--out", FULL]
         subprocess.run([*command, "--no-progress", "--overwrite"], cwd=ROOT, check=True)
 
 

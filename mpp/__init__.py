@@ -5,11 +5,12 @@
     mpp.model    the encoder, corruption, targets, pixels, encoders out of checkpoints and exports
     mpp.train    the Lightning modules (pretraining, classification), what runs them, the W&B run
     mpp.eval     few-shot, k-NN and linear-probe evaluation of frozen encoders, Figure 7 analyses
-    mpp.cli      the `mpp` console script
+    mpp.commands the `mpp` console script, and its commands shards, export, evaluate, analyse
+    mpp.cli      its Lightning runs: fit, validate, test, predict
     mpp.moved    class paths of earlier layouts, as configs and checkpoints may name them -> today's
 
-The public names below are imported on first use, so that the shard tools, which need
-none of them, start without loading torch and Lightning.
+The public names below are imported on first use, so that `mpp shards`, which needs
+none of them, starts without loading torch and Lightning.
 """
 
 from __future__ import annotations

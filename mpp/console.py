@@ -110,7 +110,12 @@ def introduction() -> str:
                 "encoder sizes, e.g. --model.encoder configs/model/vit_l.yaml"
             )
         lines.append("")
-    lines.append("examples:")
+    from mpp.commands import COMMANDS, RUN_COMMANDS
+
+    lines.append("commands (`mpp <command> --help` for each):")
+    about = {**RUN_COMMANDS, **{name: what for name, (_, what) in COMMANDS.items()}}
+    lines += [f"  {name:<9} {what}" for name, what in about.items()]
+    lines += ["", "examples:"]
     wide = max(len(command) for _, command in EXAMPLES)
     lines += [f"  {command:<{wide}}  # {what}" for what, command in EXAMPLES]
     lines += [

@@ -4,7 +4,7 @@ for the tests' own helpers), and a process that can reach no W&B account: runs i
 process log offline, whatever the machine's settings.
 
 The tests mirror the package: tests/model, tests/shards, tests/data, tests/train, tests/eval;
-whole runs of the CLI, the configs, the README, the tools, the experiments and the benchmarks sit
+whole runs of the CLI, the configs, the README, the commands, the experiments and the benchmarks sit
 at the top.
 
 `make test` runs the suite on two worker processes (pytest-xdist), a file to a worker, since a file's

@@ -90,7 +90,7 @@ def _shards_and_endpoints(tmp_path: Path) -> dict[str, tuple[list[str], dict[str
                r"cannot open s3://bucket/train-00000\d\.tar: EndpointConnectionError: .*; gave up after 1 attempt", 1),
         "empty tar, resampled": (["--data.train", _empty_tar(tmp_path / "empty.tar")], {}, re.escape(
             f"every shard this stream draws from is empty (a tar with no members): {tmp_path}/empty.tar; there is "
-            "nothing to train on. Check them with `python tools/inspect_shards.py <shards>`"), 1),
+            "nothing to train on. Check them with `mpp shards inspect <shards>`"), 1),
         "empty tar": (["--data.train", str(tmp_path / "empty.tar"), "--data.resampled", "false"], {}, re.escape(
             f"data.train yielded no batch: its 1 shard(s) ({tmp_path}/empty.tar) hold no sample"), 1),
         "zero-byte validation tar": (["--data.val", str(tmp_path / "zero.tar")], {}, re.escape(

@@ -23,7 +23,7 @@ SHAPES = ["circle", "square", "triangle"]
 
 
 def shard_set(folder: Path, prefix: str, classes: list[str] | None) -> str:
-    """One labelled shard and its index, as tools/make_shards.py writes them; its pattern."""
+    """One labelled shard and its index, as `mpp shards write` writes them; its pattern."""
     folder.mkdir(parents=True, exist_ok=True)
     write_shard(folder / f"{prefix}-000000.tar", [sample(i) for i in range(3)])
     index = {"format": FORMAT, "prefix": prefix, "shards": [{"name": f"{prefix}-000000.tar", "samples": 3}]}
@@ -84,7 +84,7 @@ def user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.parametrize(("options", "said"), [
     (["--data.image_size", "32"], "data.image_size=32 does not fit the encoder's model.init_args.encoder.image_size=28"),
-    (["--data.train", "photos"], "it holds images, not shards: write shards from them with `python tools/make_shards.py "
+    (["--data.train", "photos"], "it holds images, not shards: write shards from them with `mpp shards write "
                                  "folder photos --out shards/<name> --holdout 0.1`"),
     (["--data.val", "null"], "FewShotEvaluation: the run has no data.train and data.val (or data.test) to evaluate on"),
 ])

@@ -7,7 +7,6 @@ Commands run with this folder as their working directory, so every relative path
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import runpy
@@ -15,7 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 from shardkit import sample, write_shard
 
@@ -29,14 +27,12 @@ NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 DEFAULT_SHARDS = [("my-images", "train", 1024, False), ("imagenet", "train", 1024, True), ("imagenet", "val", 64, True)]
 
 
-def tool(name: str) -> ModuleType:
-    """A script of tools/ as a module, so that its main() runs in this process (the scripts are not a
-    package, and the package's import is slow in a subprocess)."""
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def mpp_command(*argv: str) -> int:
+    """`mpp <command> ...` of mpp.commands (shards, export, evaluate, analyse) run in this process, as the
+    console script runs it -> its exit code; what it prints goes to this process's stdout and stderr."""
+    from mpp.commands import run_command
+
+    return run_command(list(argv))
 
 
 def help_of(module: str, monkeypatch, capsys) -> str:

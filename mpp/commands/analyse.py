@@ -5,16 +5,17 @@ embeddings, the mean attention distance of every head and the class token's atte
 few images, for one checkpoint or several side by side.
 
 Examples:
-    python tools/analyse.py runs/demo/pretrain/checkpoints/last.ckpt \\
-        --images shards/fashion-mnist/test-000000.tar --out runs/analysis
-    python tools/analyse.py runs/compare/{pretrain,scratch,finetune}/checkpoints/last.ckpt \\
+    mpp analyse runs/demo/pretrain/checkpoints/last.ckpt --out runs/analysis
+    mpp analyse runs/demo/{pretrain,scratch,finetune}/checkpoints/last.ckpt \\
         --names MPP scratch fine-tuned \\
         --images shards/fashion-mnist/test-000000.tar --out runs/analysis --num-images 64
 
 Writes, under --out: filters-<name>.png and positions-<name>.png for each checkpoint,
 attention-distance.png (every encoder on one plot), attention-maps.png (a row per encoder) and
 analysis.json (every number but the position similarities, which the positions pictures show).
-Each encoder sees the same first images of the shards, at its own image size and channels.
+Each encoder sees the same first images of the shards, at its own image size and channels. Without
+--images, they are the first checkpoint's validation shards (its data.val, else data.test), as its run
+named them.
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from mpp.commands import DEFAULT, checkpoint_file, command_parser
+from mpp.errors import ConfigError
 from mpp.eval.analyses import DEFAULTS, Analysis, analyse, sized_images
 from mpp.eval.figures import distance_figure, filters_figure, maps_figure, positions_figure, save_pictures
-from mpp.model.checkpoint import encoder_and_normalisation
-
-DEFAULT = " (default: %(default)s)"
+from mpp.model.checkpoint import encoder_and_normalisation, read_checkpoint
 
 
 def default_names(paths: list[str]) -> list[str]:
@@ -50,10 +51,19 @@ def file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def analyse_checkpoint(path: str, args: argparse.Namespace) -> Analysis:
+def validation_shards(path: str) -> Any:
+    """The shards a checkpoint's run validated on (its data.val, else data.test), as the run named them."""
+    data = read_checkpoint(path).get("datamodule_hyper_parameters", {})
+    shards = data.get("val") or data.get("test")
+    if not shards:
+        raise ConfigError(f"{path} names no validation or test shards: give the images with --images <shards>")
+    return shards
+
+
+def analyse_checkpoint(path: str, images: Any, args: argparse.Namespace) -> Analysis:
     """One checkpoint's encoder analysed on the first --num-images images of the shards."""
     encoder, normalise = encoder_and_normalisation(path)
-    images = sized_images(args.images, encoder.config, args.num_images, batch_size=args.batch_size)
+    images = sized_images(images, encoder.config, args.num_images, batch_size=args.batch_size)
     return analyse(
         encoder.to(args.device),
         images,
@@ -65,15 +75,17 @@ def analyse_checkpoint(path: str, args: argparse.Namespace) -> Analysis:
 
 
 def argument_parser() -> argparse.ArgumentParser:
-    """The tool's options; the defaults are EncoderAnalysis's (mpp.eval.analyses.DEFAULTS)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The command's options; the defaults are EncoderAnalysis's (mpp.eval.analyses.DEFAULTS)."""
+    parser = command_parser("analyse", __doc__)
     parser.add_argument(
         "checkpoints", nargs="+", help=".ckpt files written by MaskedPatchPretraining or ImageClassifier"
     )
     parser.add_argument(
         "--names", nargs="+", help="one per checkpoint, for legends and file names (default: from the paths)"
     )
-    parser.add_argument("--images", required=True, help="shards the attention is measured on")
+    parser.add_argument(
+        "--images", help="shards the attention is measured on (default: the first checkpoint's validation shards)"
+    )
     parser.add_argument("--out", required=True, type=Path, help="folder the pictures and analysis.json are written to")
     parser.add_argument(
         "--num-images", type=int, default=DEFAULTS.num_images, help=f"images read, in shard order{DEFAULT}"
@@ -87,23 +99,19 @@ def argument_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = argument_parser().parse_args(argv)
     names = args.names or default_names(args.checkpoints)
     if len(names) != len(args.checkpoints) or len({file_name(name) for name in names}) != len(names):
-        print(
-            f"error: --names needs one name per checkpoint, distinct in file names: "
-            f"{len(args.checkpoints)} checkpoints, names {names}",
-            file=sys.stderr,
+        raise ConfigError(
+            f"--names needs one name per checkpoint, distinct in file names: "
+            f"{len(args.checkpoints)} checkpoints, names {names}"
         )
-        return 2
-    analyses: dict[str, Analysis] = {}
-    try:
-        for name, path in zip(names, args.checkpoints):
-            analyses[name] = analyse_checkpoint(path, args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    paths = [checkpoint_file(path) for path in args.checkpoints]
+    images = args.images or validation_shards(paths[0])
+    if not args.images:
+        print(f"images: the first {args.num_images} of {images}, the validation shards of {paths[0]}")
+    analyses = {name: analyse_checkpoint(path, images, args) for name, path in zip(names, paths)}
     pictures = {}
     for name, analysis in analyses.items():
         pictures[f"filters-{file_name(name)}"] = filters_figure(analysis.components, analysis.explained, title=name)
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     pictures["attention-maps"] = maps_figure({name: (a.images, a.maps) for name, a in analyses.items()})
     save_pictures(pictures, args.out)
     numbers = {
-        "images": args.images,
+        "images": images,
         "left_out": "position-embedding similarities, (gh, gw, gh, gw) per encoder: positions-<name>.png draws them",
         "encoders": {
             name: {"checkpoint": path, **analyses[name].numbers()} for name, path in zip(names, args.checkpoints)
@@ -124,7 +132,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: mean attention distance per block (pixels): {blocks}")
     print(f"wrote {len(pictures)} pictures and analysis.json to {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

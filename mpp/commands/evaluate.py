@@ -1,19 +1,25 @@
 """Few-shot (section 4.1), k-NN and linear-probe accuracy of any mpp checkpoint's frozen encoder, as markdown tables.
 
 Examples:
-    python tools/fewshot.py runs/demo/pretrain/checkpoints/last.ckpt \\
+    mpp evaluate runs/demo/pretrain/checkpoints/last.ckpt \\
         --train 'shards/fashion-mnist/train-{000000..000009}.tar' --test shards/fashion-mnist/test-000000.tar
-    python tools/fewshot.py runs/demo/finetune/checkpoints/last.ckpt --train ... --test ... --shots 1 5 --seeds 5
+    mpp evaluate runs/demo/finetune/checkpoints/last.ckpt --train ... --test ... --shots 1 5 --seeds 5
+
+The encoder's class-token representation of every image is computed once (in the precision `mpp fit`
+takes on this device, unless --precision names one); the n-shot accuracy is a ridge classifier's
+from n examples of each class, averaged over --seeds draws (section 4.1 of the ViT paper); k-NN and
+the linear probe use every training image read. The defaults are those of the FewShotEvaluation callback, so
+both give a checkpoint the same numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 
 import torch
 
+from mpp.commands import DEFAULT, checkpoint_file, command_parser
 from mpp.eval.frozen import FrozenScores, evaluate_checkpoint
 from mpp.eval.linear import DEFAULTS, FewShotSettings
 from mpp.model.pixels import pair
@@ -38,13 +44,10 @@ def render(path: str, scores: FrozenScores, settings: FewShotSettings) -> str:
     return "\n".join(lines)
 
 
-DEFAULT = " (default: %(default)s)"
-
-
 def argument_parser() -> argparse.ArgumentParser:
-    """The tool's options; the defaults are the callback's (mpp.eval.fewshot.DEFAULTS), so that both give
+    """The command's options; the defaults are the callback's (mpp.eval.linear.DEFAULTS), so that both give
     a checkpoint the same numbers."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = command_parser("evaluate", __doc__)
     parser.add_argument("checkpoint", help="a .ckpt written by MaskedPatchPretraining or ImageClassifier")
     parser.add_argument("--train", required=True, help="labelled shards the n-shot examples are drawn from")
     parser.add_argument("--test", required=True, help="labelled shards the accuracy is measured on")
@@ -103,7 +106,7 @@ def argument_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = argument_parser().parse_args(argv)
 
     image_size = None
@@ -124,23 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         num_workers=args.num_workers,
         eval_crop_fraction=args.eval_crop_fraction,
     )
-    try:
-        scores = evaluate_checkpoint(
-            args.checkpoint,
-            train=args.train,
-            test=args.test,
-            settings=settings,
-            num_classes=args.num_classes,
-            image_size=image_size,
-            device=args.device,
-            precision=args.precision,
-        )
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    scores = evaluate_checkpoint(
+        checkpoint_file(args.checkpoint),
+        train=args.train,
+        test=args.test,
+        settings=settings,
+        num_classes=args.num_classes,
+        image_size=image_size,
+        device=args.device,
+        precision=args.precision,
+    )
     print(render(args.checkpoint, scores, settings))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """Export the encoder of an mpp checkpoint for timm or Hugging Face transformers: model.safetensors and config.json.
 
 Examples:
-    python tools/export.py runs/demo/pretrain/checkpoints/last.ckpt --format hf --out exports/demo-hf
-    python tools/export.py runs/demo/pretrain/checkpoints/last.ckpt --format timm --out exports/demo-timm
+    mpp export runs/demo/pretrain/checkpoints/last.ckpt --format hf --out exports/demo-hf
+    mpp export runs/demo/pretrain/checkpoints/last.ckpt --format timm --out exports/demo-timm
 
 Load an export with `transformers.ViTModel.from_pretrained("exports/demo-hf", add_pooling_layer=False)`
 or `timm.create_model("local-dir:exports/demo-timm", pretrained=True)`; either computes the encoder's
@@ -22,8 +22,8 @@ only with `pretrained_strict=False`.
 from __future__ import annotations
 
 import argparse
-import sys
 
+from mpp.commands import checkpoint_file, command_parser
 from mpp.model.checkpoint import checkpoint_normalisation, load_encoder, read_checkpoint
 from mpp.model.export import write_export
 from mpp.model.layouts import EXTRA_PREFIX, LAYOUT_NAMES, Layout
@@ -55,7 +55,7 @@ def export(path: str, *, layout: Layout, out: str, with_head: bool) -> list[str]
 
 
 def argument_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = command_parser("export", __doc__)
     parser.add_argument("checkpoint", help="a .ckpt written by MaskedPatchPretraining or ImageClassifier")
     parser.add_argument(
         "--format", required=True, choices=("timm", "hf"), help="timm, or hf for transformers' ViTModel"
@@ -69,17 +69,9 @@ def argument_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = argument_parser().parse_args(argv)
-    try:
-        written = export(args.checkpoint, layout=args.format, out=args.out, with_head=args.with_head)
-    except (OSError, ValueError) as error:  # a file that is not there, or not an mpp checkpoint
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    written = export(checkpoint_file(args.checkpoint), layout=args.format, out=args.out, with_head=args.with_head)
     print(f"{LAYOUT_NAMES[args.format]} export of {args.checkpoint}:")
     print("\n".join(f"  {file}" for file in written))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -78,7 +78,7 @@ def _empty_message(share: Sequence[str], empty_files: set[str]) -> str:
     kinds += [f"an empty file (0 bytes): {some_urls(files)}"] if files else []
     return (
         f"every shard this stream draws from is {'; or '.join(kinds)}; there is "
-        "nothing to train on. Check them with `python tools/inspect_shards.py <shards>`"
+        "nothing to train on. Check them with `mpp shards inspect <shards>`"
     )
 
 

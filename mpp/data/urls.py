@@ -3,7 +3,7 @@
 A local shard must exist and be a file (a folder is answered with the patterns to give
 instead); s3://, gs:// and http(s):// URLs are taken as written (mpp.data.remote reads them);
 pipe: URLs run shell commands and are refused unless the config allows them. A shard index
-(`train.json`, the sidecar tools/make_shards.py writes), local or remote, stands for the shards
+(`train.json`, the sidecar `mpp shards write` writes), local or remote, stands for the shards
 it lists, beside it, and their sample counts.
 """
 
@@ -167,7 +167,7 @@ def folder_patterns(folder: str) -> str:
     if not runs and holds_images(folder):
         return (
             f"it holds images, not shards: write shards from them with "
-            f"`python tools/make_shards.py folder {folder} --out shards/<name> --holdout 0.1` and give those"
+            f"`mpp shards write folder {folder} --out shards/<name> --holdout 0.1` and give those"
         )
     if not runs:
         return "it holds no numbered .tar shards; give a path, a brace pattern or a glob of tar files"

@@ -6,7 +6,7 @@ head, and the class token's attention over a few images.
 The pure computations take weights, embeddings or attention tensors, so that known answers can
 be fed to them; `analyse` reads an encoder and runs them, with the attention weights its blocks
 form on request (`Block(..., return_attention=True)`). mpp.eval.figures draws an Analysis;
-EncoderAnalysis (mpp.eval.analysis_callback) analyses during training, tools/analyse.py checkpoints.
+EncoderAnalysis (mpp.eval.analysis_callback) analyses during training, mpp analyse checkpoints.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mpp.model.vit import ViT, ViTConfig
 
 @dataclass(frozen=True)
 class AnalysisSettings:
-    """The defaults of the analyses, for EncoderAnalysis and tools/analyse.py alike (what each
+    """The defaults of the analyses, for EncoderAnalysis and mpp analyse alike (what each
     means: EncoderAnalysis's Args). The paper averages attention distances over 128 images."""
 
     num_images: int = 128

@@ -34,7 +34,7 @@ class FewShotEvaluation(pl.Callback):
     Uses the module's `encoder` and `normalise`, so it runs under pretraining and fine-tuning alike.
     Features come from the first `max_train` samples of `train` (labelled shards that mix the
     classes) and the first `max_test` of `test`, with the evaluation transform, in shard order.
-    The defaults are DEFAULTS (FewShotSettings), which evaluate_checkpoint and tools/fewshot.py share.
+    The defaults are DEFAULTS (FewShotSettings), which evaluate_checkpoint and mpp evaluate share.
 
     Args:
         train: labelled shards the n-shot examples are drawn from; null (the default): the run's

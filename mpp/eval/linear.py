@@ -18,7 +18,7 @@ BIAS_FEATURE = 100.0
 
 @dataclass(frozen=True)
 class FewShotSettings:
-    """The defaults of frozen-encoder evaluation, for the callback, evaluate_checkpoint and tools/fewshot.py alike
+    """The defaults of frozen-encoder evaluation, for the callback, evaluate_checkpoint and mpp evaluate alike
     (what each means: FewShotEvaluation's Args). One worker count for all: DataLoader workers split the
     shards between them, which changes which samples come first, and so the accuracy.
 

@@ -20,7 +20,7 @@ from torch import Tensor
 Layout = Literal["timm", "hf"]
 LAYOUT_NAMES: dict[Layout, str] = {"timm": "timm VisionTransformer", "hf": "Hugging Face ViTModel"}
 # Tensors of the module that wrote a checkpoint but not of its encoder (the MPP head, the mask
-# token) go into an export under this prefix, and only when asked (tools/export.py --with-head).
+# token) go into an export under this prefix, and only when asked (mpp export --with-head).
 EXTRA_PREFIX = "mpp."
 
 # timm models whose builders set nothing but these sizes (timm 1.0), so that the name alone says the

@@ -116,7 +116,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, dropout: float = 0.0) -> Tensor:
 
     The fused `scaled_dot_product_attention` kernels everywhere but in bf16 on the CPU, where the
     explicit product is faster: PyTorch's fused CPU kernel took 2.5x (ViT-B/16) to 7x (the demo's
-    ViT) longer for forward and backward there (torch 2.13 and 2.14; tools/bench_step.py).
+    ViT) longer for forward and backward there (torch 2.13 and 2.14; benchmarks/bench_step.py).
     """
     if q.device.type != "cpu" or q.dtype != torch.bfloat16:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)

@@ -41,7 +41,7 @@ def sidecar_name(prefix: str) -> str:
     return f"{prefix}.json"
 
 
-INDEX_HINT = "give the <prefix>.json that tools/make_shards.py writes beside its shards, or the tar shards"
+INDEX_HINT = "give the <prefix>.json that `mpp shards write` writes beside its shards, or the tar shards"
 
 
 def parse_index(text: str | bytes, where: str) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def parse_index(text: str | bytes, where: str) -> dict[str, Any]:
     if not isinstance(shards, list) or not all(_is_entry(entry) for entry in shards):
         raise ShardError(
             f'{where}: a shard index whose "shards" is not a list of {{"name": a file name beside it, '
-            f'"samples": a count}}: rewrite it with tools/make_shards.py'
+            f'"samples": a count}}: rewrite it with `mpp shards write`'
         )
     return index
 

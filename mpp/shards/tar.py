@@ -124,7 +124,7 @@ def iter_samples(stream: BinaryIO) -> Iterator[dict[str, Any]]:
             raise MemberOrderError(
                 f"member {name!r} belongs to sample {key!r}, which came earlier in this tar (the sample "
                 f"in hand is {sample['__key__']!r}): the members of one sample must be adjacent. Rewrite "
-                "the tar with `tar --sort=name` (GNU tar >= 1.28) or with tools/make_shards.py"
+                "the tar with `tar --sort=name` (GNU tar >= 1.28) or with `mpp shards write`"
             )
         if sample and (sample["__key__"] != key or extension in sample):
             done.add(sample["__key__"])

@@ -32,7 +32,7 @@ class ImageClassifier(EncoderModule):
         optimizer: optimiser and schedule (fine-tuning: SGD, momentum 0.9; from scratch: Adam,
             weight decay 0.3).
         pretrained: a checkpoint of MaskedPatchPretraining (or ImageClassifier), or a timm or
-            Hugging Face export (a folder or a .safetensors file, e.g. from tools/export.py), whose
+            Hugging Face export (a folder or a .safetensors file, e.g. from mpp export), whose
             encoder initialises this one; its position embeddings are interpolated to
             `encoder.image_size`. null trains from scratch. Pass `pretrained=None` to
             `load_from_checkpoint` to restore a classifier without reading the pretraining checkpoint again.
@@ -67,7 +67,7 @@ class ImageClassifier(EncoderModule):
         if num_classes is None and class_names is None:
             raise ValueError(
                 "num_classes is unset and no shard index lists the classes: set model.init_args.num_classes "
-                "(and class_names), or write the shards with tools/make_shards.py, whose index lists them"
+                "(and class_names), or write the shards with `mpp shards write`, whose index lists them"
             )
         num_classes = len(class_names) if num_classes is None and class_names is not None else num_classes
         if num_classes is None or num_classes < 2:

@@ -48,7 +48,7 @@ class MaskedPatchPretraining(EncoderModule):
         corruption: share of patches corrupted and the mask / random / keep split.
         target: what is predicted per corrupted patch.
         pretrained: continued pretraining: an mpp checkpoint, or a timm or Hugging Face export
-            (tools/export.py), whose encoder initialises this one, its position embeddings
+            (mpp export), whose encoder initialises this one, its position embeddings
             interpolated to `encoder.image_size`; the head and mask token start fresh. null (the
             default) starts from random weights. Pass `pretrained=None` to `load_from_checkpoint`
             to restore a module without reading that file again.
@@ -59,7 +59,7 @@ class MaskedPatchPretraining(EncoderModule):
         nonfinite_loss: `stop` the run on a NaN or infinite loss, or `skip` such steps (mpp.train.nonfinite_loss).
         frozen: submodules that keep their initial (or `pretrained`) weights, by name, e.g.
             `[encoder.blocks]`: then only the patch embedding (and a hybrid's stem), positions, [mask]
-            token, final norm and head learn, as in the leakage measurement of tools/leakage.py.
+            token, final norm and head learn, as in the leakage measurement of experiments/leakage.py.
     """
 
     target_counts: Tensor  # a buffer, registered in __init__

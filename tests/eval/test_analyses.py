@@ -18,9 +18,10 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 from shardkit import encode, write_shard
-from workspace import tool
+from workspace import mpp_command
 
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
+from mpp.commands.analyse import default_names
 from mpp.eval.analyses import (
     analyse,
     class_token_maps,
@@ -29,12 +30,13 @@ from mpp.eval.analyses import (
     patch_attention,
     patch_centres,
     position_similarity,
+    sized_images,
 )
 from mpp.eval.analysis_callback import EncoderAnalysis
 from mpp.eval.figures import mosaic
+from mpp.model.checkpoint import encoder_and_normalisation
 from mpp.model.pixels import Normalise
 
-ANALYSE = tool("analyse")  # tools/analyse.py
 TINY = ViTConfig(image_size=16, patch_size=4, dim=32, depth=2, heads=4, mlp_dim=64)
 
 
@@ -241,8 +243,8 @@ def test_the_tool_analyses_several_checkpoints_each_at_its_own_size(tmp_path):
     out = tmp_path / "analysis"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = ANALYSE.main([str(rgb), str(grey), "--names", "MPP", "from scratch", "--images", images,
-                                  "--out", str(out), "--num-images", "6", "--map-images", "3", "--device", "cpu"])
+        code = mpp_command("analyse", str(rgb), str(grey), "--names", "MPP", "from scratch", "--images", images,
+                           "--out", str(out), "--num-images", "6", "--map-images", "3", "--device", "cpu")
     assert code == 0
     assert sorted(p.name for p in out.iterdir()) == sorted([
         "filters-MPP.png", "filters-from_scratch.png", "positions-MPP.png", "positions-from_scratch.png",
@@ -258,23 +260,50 @@ def test_the_tool_analyses_several_checkpoints_each_at_its_own_size(tmp_path):
     assert len(mpp["filters"]["explained_variance_ratio"]) == 28  # min(28, D=32, 3·4·4)
     assert len(scratch["filters"]["explained_variance_ratio"]) == 16  # D = 16 filters of 1·4·4
     # The tool's numbers are analyse's on the same images.
-    encoder, normalise = ANALYSE.encoder_and_normalisation(str(grey))
-    direct = analyse(encoder, ANALYSE.sized_images(images, encoder.config, 6), normalise=normalise)
+    encoder, normalise = encoder_and_normalisation(str(grey))
+    direct = analyse(encoder, sized_images(images, encoder.config, 6), normalise=normalise)
     torch.testing.assert_close(torch.tensor(scratch["attention_distance"]["per_head"]), direct.distances)
     assert "from scratch: mean attention distance per block" in printed.getvalue()
 
 
 def test_the_tool_names_checkpoints_by_the_parts_of_their_paths_that_differ():
     paths = ["runs/demo/pretrain/checkpoints/last.ckpt", "runs/demo/finetune/checkpoints/last.ckpt"]
-    assert ANALYSE.default_names(paths) == ["pretrain-last", "finetune-last"]
-    assert ANALYSE.default_names(["a/mpp.ckpt", "a/scratch.ckpt"]) == ["mpp", "scratch"]
+    assert default_names(paths) == ["pretrain-last", "finetune-last"]
+    assert default_names(["a/mpp.ckpt", "a/scratch.ckpt"]) == ["mpp", "scratch"]
 
 
 def test_the_tool_refuses_names_that_do_not_fit_the_checkpoints(tmp_path, capsys):
-    code = ANALYSE.main(["a.ckpt", "b.ckpt", "--names", "MPP", "--images", "x.tar", "--out", str(tmp_path)])
-    assert code == 2 and "one name per checkpoint" in capsys.readouterr().err
-    code = ANALYSE.main(["a.ckpt", "b.ckpt", "--names", "a b", "a_b", "--images", "x.tar", "--out", str(tmp_path)])
+    code = mpp_command("analyse", "a.ckpt", "b.ckpt", "--names", "MPP", "--images", "x.tar", "--out", str(tmp_path))
+    assert code == 2 and capsys.readouterr().err == (
+        "mpp: error: --names needs one name per checkpoint, distinct in file names: 2 checkpoints, names ['MPP']\n")
+    code = mpp_command("analyse", "a.ckpt", "b.ckpt", "--names", "a b", "a_b", "--images", "x.tar", "--out", str(tmp_path))
     assert code == 2 and "distinct in file names" in capsys.readouterr().err
+    code = mpp_command("analyse", str(tmp_path / "a.ckpt"), "--out", str(tmp_path))
+    assert code == 2 and capsys.readouterr().err == (
+        f"mpp: error: {tmp_path / 'a.ckpt'} does not exist; give a .ckpt file, e.g. runs/<run>/checkpoints/last.ckpt\n")
+
+
+def test_the_tool_reads_the_checkpoints_validation_shards_when_no_images_are_given(tmp_path, capsys):
+    """A checkpoint of a run names its validation shards (else its test shards); without --images those are
+    the images, and a checkpoint naming neither asks for --images."""
+    images = noise_shards(tmp_path / "shards")
+    path = checkpoint(tmp_path / "mpp.ckpt", TINY, seed=0)
+    bare = torch.load(path, map_location="cpu", weights_only=False)
+    torch.save({**bare, "datamodule_hyper_parameters": {"val": None, "test": None}}, tmp_path / "bare.ckpt")
+    code = mpp_command("analyse", str(tmp_path / "bare.ckpt"), "--out", str(tmp_path / "none"), "--device", "cpu")
+    assert code == 2 and capsys.readouterr().err == (
+        f"mpp: error: {tmp_path / 'bare.ckpt'} names no validation or test shards: give the images with --images "
+        "<shards>\n")
+    for split in ("val", "test"):
+        torch.save({**bare, "datamodule_hyper_parameters": {split: images}}, tmp_path / f"{split}.ckpt")
+        out = tmp_path / split
+        code = mpp_command("analyse", str(tmp_path / f"{split}.ckpt"), "--out", str(out), "--num-images", "4",
+                           "--map-images", "2", "--device", "cpu")
+        assert code == 0, capsys.readouterr().err
+        printed = capsys.readouterr().out
+        assert printed.startswith(f"images: the first 4 of {images}, the validation shards of {tmp_path / split}.ckpt\n")
+        numbers = json.loads((out / "analysis.json").read_text())
+        assert numbers["images"] == images and numbers["encoders"][split]["num_images"] == 4
 
 
 def test_the_callback_analyses_the_encoder_during_a_fit_without_wandb(tmp_path):

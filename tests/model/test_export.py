@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from workspace import TESTS, tool
+from workspace import TESTS, mpp_command
 
 from mpp import OptimizerConfig, ViT, ViTConfig
 from mpp.data.transforms import ImageTransform
@@ -31,7 +31,6 @@ MEAN, STD = [0.25], [0.4]
 SGD = OptimizerConfig(name="sgd", lr=0.03, warmup_steps=2)
 REAL = TESTS / "fixtures" / "before-layout" / "pretrain.ckpt"  # written by `mpp fit` (its README says how)
 TOLERANCE = 1e-5
-export_main = tool("export").main  # tools/export.py
 
 
 def encoder(config: ViTConfig, seed: int = 0) -> ViT:
@@ -130,7 +129,7 @@ def test_transformers_own_preprocessing_of_an_image_gives_mpps_representation(tm
     from PIL import Image
 
     path = with_crop(tmp_path, crop_fraction)
-    assert export_main([path, "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert mpp_command("export", path, "--format", "hf", "--out", str(tmp_path / "hf")) == 0
     processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "hf")
     pixels = processor(Image.open(io.BytesIO(raw_image())), return_tensors="pt")["pixel_values"]
     with torch.no_grad():
@@ -162,7 +161,7 @@ def test_the_fused_qkv_splits_into_query_key_value_in_order(tmp_path: Path) -> N
 def test_the_export_tool_writes_a_real_checkpoint_that_transformers_runs(tmp_path: Path, with_head: bool) -> None:
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    assert export_main([str(REAL), "--format", "hf", "--out", str(out), *(["--with-head"] * with_head)]) == 0
+    assert mpp_command("export", str(REAL), "--format", "hf", "--out", str(out), *(["--with-head"] * with_head)) == 0
     checkpoint = read_checkpoint(str(REAL))
     extras = {"mpp.head.weight", "mpp.head.bias", "mpp.mask_token"}
     tensors = load_file(out / "model.safetensors")
@@ -176,7 +175,7 @@ def test_the_export_tool_writes_a_real_checkpoint_that_transformers_runs(tmp_pat
     preprocessor = json.loads((out / "preprocessor_config.json").read_text())
     assert preprocessor["image_mean"] == checkpoint["hyper_parameters"]["pixel_mean"]
     assert preprocessor["image_std"] == checkpoint["hyper_parameters"]["pixel_std"]
-    # The extras are the only tensors transformers does not take, as tools/export.py says.
+    # The extras are the only tensors transformers does not take, as `mpp export --help` says.
     theirs, info = transformers.ViTModel.from_pretrained(out, add_pooling_layer=False, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"]
     assert set(info["unexpected_keys"]) == (extras if with_head else set())
@@ -220,7 +219,7 @@ def test_timms_own_transform_of_an_image_gives_mpps_representation(tmp_path: Pat
     from PIL import Image
 
     path = with_crop(tmp_path, crop_fraction)
-    assert export_main([path, "--format", "timm", "--out", str(tmp_path / "timm")]) == 0
+    assert mpp_command("export", path, "--format", "timm", "--out", str(tmp_path / "timm")) == 0
     theirs = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
     transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=theirs))
     with torch.no_grad():
@@ -257,7 +256,7 @@ def test_every_timm_name_mpp_knows_builds_the_sizes_it_stands_for(name: str) -> 
 def test_timm_loads_an_export_with_the_head_only_when_not_strict(tmp_path: Path) -> None:
     timm = pytest.importorskip("timm")
     out = tmp_path / "timm"
-    assert export_main([str(REAL), "--format", "timm", "--out", str(out), "--with-head"]) == 0
+    assert mpp_command("export", str(REAL), "--format", "timm", "--out", str(out), "--with-head") == 0
     with pytest.raises(RuntimeError, match="mpp.mask_token"):
         timm.create_model(f"local-dir:{out}", pretrained=True)
     theirs = timm.create_model(f"local-dir:{out}", pretrained=True, pretrained_strict=False).eval()

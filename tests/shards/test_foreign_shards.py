@@ -25,7 +25,6 @@ from typing import TypeVar
 import pytest
 from PIL import Image
 from shardkit import colour, encode, read_all, sample, write_shard
-from workspace import ROOT
 
 from mpp.data.module import ShardDataModule
 from mpp.data.remote import ShardOpenError
@@ -34,7 +33,7 @@ from mpp.shards.tar import MemberOrderError, iter_samples
 
 COUNT = 6
 KEYS = [f"sample{i:06d}" for i in range(COUNT)]
-REMEDY = "Rewrite the tar with `tar --sort=name` (GNU tar >= 1.28) or with tools/make_shards.py"
+REMEDY = "Rewrite the tar with `tar --sort=name` (GNU tar >= 1.28) or with `mpp shards write`"
 T = TypeVar("T")
 
 
@@ -131,7 +130,7 @@ def test_members_of_one_sample_apart_are_refused_with_the_remedy(folder: Path, t
     assert str(refused.value) == (f"member './{KEYS[0]}.cls' belongs to sample '{KEYS[0]}', which came earlier "
                                   f"in this tar (the sample in hand is '{KEYS[-1]}'): the members of one sample "
                                   f"must be adjacent. {REMEDY}")
-    script = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_shards.py"), str(path)],
+    script = subprocess.run([sys.executable, "-m", "mpp", "shards", "inspect", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert script.returncode == 1
     assert (f"{path}: members out of order after {COUNT - 1} samples: member './{KEYS[0]}.cls'" in script.stderr
@@ -190,7 +189,7 @@ def test_gzip_shards_are_read_whatever_their_name(folder: Path, sorted_tar: Path
     assert _load(shards) == (list(range(COUNT)) * 3, 0)
     report = inspect_shards(shards)
     assert report.problems == [] and report.shards == {shard: COUNT for shard in shards}
-    script = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_shards.py"), shards[0], "--verify"],
+    script = subprocess.run([sys.executable, "-m", "mpp", "shards", "inspect", shards[0], "--verify"],
                             capture_output=True, text=True, timeout=60)
     assert script.returncode == 0, script.stderr
     assert f"verified: {COUNT} samples" in script.stdout

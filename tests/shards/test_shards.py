@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from workspace import ROOT, tool
+from workspace import ROOT, mpp_command
 
 from mpp.shards.format import ShardError
 from mpp.shards.images import IMAGE_EXTENSIONS, is_16bit, to_8bit
@@ -41,6 +41,11 @@ from mpp.shards.writer import (
 )
 
 QUIET = WriteOptions(progress=False)
+
+
+def shards_write(argv: list[str]) -> int:
+    """`mpp shards write <argv>` in this process -> its exit code."""
+    return mpp_command("shards", "write", *argv)
 
 
 def _options(**changes) -> WriteOptions:
@@ -253,12 +258,11 @@ def test_refuses_to_overwrite_unless_asked(tmp_path: Path, folder) -> None:
 
 
 def test_cli_refusal_and_overwrite(tmp_path: Path, folder, capsys) -> None:
-    make = tool("make_shards")
     argv = ["folder", str(folder[0]), "--out", str(tmp_path), "--no-progress", "--shard-samples", "4"]
-    assert make.main(argv) == 0
-    assert make.main(argv) == 1
+    assert shards_write(argv) == 0
+    assert shards_write(argv) == 1
     assert "train-000000.tar already exists; pass --overwrite" in capsys.readouterr().err
-    assert make.main(argv + ["--overwrite", "--shuffle", "--seed", "1"]) == 0
+    assert shards_write(argv + ["--overwrite", "--shuffle", "--seed", "1"]) == 0
 
 
 def test_interrupted_run_leaves_no_complete_looking_shard(tmp_path: Path) -> None:
@@ -383,11 +387,11 @@ def test_inspector_counts_and_verify(tmp_path: Path, folder) -> None:
 def test_inspector_cli_exit_codes(tmp_path: Path, folder, capsys) -> None:
     out = tmp_path / "out"
     write_shards(image_folder(folder[0]), out, "train", QUIET)
-    assert tool("inspect_shards").main([str(out / "train.json"), "--verify"]) == 0
+    assert mpp_command("shards", "inspect", *[str(out / "train.json"), "--verify"]) == 0
     assert "verified: 7 samples" in capsys.readouterr().out
     (out / "train.json").write_text(json.dumps({"format": "mpp-shards/1", "samples": 8, "shards": [
         {"name": "train-000000.tar", "samples": 8}]}))
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "inspect_shards.py"),
+    result = subprocess.run([sys.executable, "-m", "mpp", "shards", "inspect",
                              str(out / "train.json"), "--verify"], capture_output=True, text=True)
     assert result.returncode == 1
     assert f"{out / 'train-000000.tar'}: 7 samples, sidecar says 8" in result.stderr
@@ -465,7 +469,7 @@ def test_inspector_reads_gzip_shards_and_reports_broken_gzip(tmp_path: Path, fol
     (tmp_path / "a.tar.gz").write_bytes(packed)
     (tmp_path / "b.tgz").write_bytes(gzip.compress((out / "train-000001.tar").read_bytes()))
     (tmp_path / "cut.tar.gz").write_bytes(packed[: len(packed) // 2])
-    assert tool("inspect_shards").main([str(tmp_path / "a.tar.gz"), str(tmp_path / "b.tgz"), "--verify"]) == 0
+    assert mpp_command("shards", "inspect", *[str(tmp_path / "a.tar.gz"), str(tmp_path / "b.tgz"), "--verify"]) == 0
     assert "verified: 7 samples" in capsys.readouterr().out
     report = inspect_shards([str(tmp_path / "cut.tar.gz")])
     assert len(report.problems) == 1 and report.problems[0].startswith(
@@ -474,23 +478,22 @@ def test_inspector_reads_gzip_shards_and_reports_broken_gzip(tmp_path: Path, fol
 
 def test_inspector_reports_members_that_are_not_adjacent(tmp_path: Path, capsys) -> None:
     shard = _tar(tmp_path / "apart.tar", [("a.png", _png(1)), ("b.png", _png(2)), ("a.cls", b"0"), ("b.cls", b"1")])
-    assert tool("inspect_shards").main([str(shard)]) == 1
+    assert mpp_command("shards", "inspect", *[str(shard)]) == 1
     err = capsys.readouterr().err
     assert (f"{shard}: members out of order after 1 samples: member 'a.cls' belongs to sample 'a', which came "
             "earlier in this tar (the sample in hand is 'b'): the members of one sample must be adjacent. "
-            "Rewrite the tar with `tar --sort=name` (GNU tar >= 1.28) or with tools/make_shards.py") in err
+            "Rewrite the tar with `tar --sort=name` (GNU tar >= 1.28) or with `mpp shards write`") in err
 
 
 def test_make_shards_names_skip_bad_when_an_image_is_broken(tmp_path: Path, folder, capsys) -> None:
     (folder[0] / "cat" / "broken.jpg").write_bytes(b"not a jpeg")
-    make = tool("make_shards")
     argv = ["folder", str(folder[0]), "--out", str(tmp_path / "out"), "--no-progress"]
-    assert make.main(argv) == 1
+    assert shards_write(argv) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {folder[0] / 'cat' / 'broken.jpg'}: cannot decode image (")
+    assert err.startswith(f"mpp: error: {folder[0] / 'cat' / 'broken.jpg'}: cannot decode image (")
     assert err.rstrip().endswith("); pass --skip-bad to skip such images and list them")
     assert not (tmp_path / "out" / "train.json").exists()
-    assert make.main(argv + ["--skip-bad"]) == 0
+    assert shards_write(argv + ["--skip-bad"]) == 0
     assert f"skipped: {folder[0] / 'cat' / 'broken.jpg'}: cannot decode image" in capsys.readouterr().err
 
 
@@ -537,13 +540,12 @@ def test_holdout_split_is_seeded_disjoint_and_covers_the_source(tmp_path: Path) 
 
 
 def test_make_shards_holdout_writes_two_sets_or_neither(tmp_path: Path, folder, capsys) -> None:
-    make = tool("make_shards")
     out = tmp_path / "out"
     argv = ["folder", str(folder[0]), "--out", str(out), "--no-progress", "--holdout", "2", "--seed", "3"]
-    assert make.main(argv + ["--holdout-prefix", "held"]) == 0
+    assert shards_write(argv + ["--holdout-prefix", "held"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        f"5 samples in 1 shards: {out / 'train-000000.tar'} (sidecar {out / 'train.json'})",
-        f"held out (--seed 3): 2 samples in 1 shards: {out / 'held-000000.tar'} (sidecar {out / 'held.json'}); "
+        f"5 samples in 1 shards: {out / 'train-000000.tar'} (index {out / 'train.json'})",
+        f"held out (--seed 3): 2 samples in 1 shards: {out / 'held-000000.tar'} (index {out / 'held.json'}); "
         "0 skipped"]
     files, indices = sorted(folder[1]), []
     for prefix in ("train", "held"):  # labels stay with their images
@@ -554,10 +556,9 @@ def test_make_shards_holdout_writes_two_sets_or_neither(tmp_path: Path, folder, 
             assert np.array_equal(np.asarray(image), pixels) and sidecar["classes"][label] == cls
     assert sorted(indices) == list(range(7)) and len(samples) == 2
     (out / "val.json").write_text("{}")
-    assert make.main(argv + ["--prefix", "fresh"]) == 1  # the held-out set exists: neither is written
+    assert shards_write(argv + ["--prefix", "fresh"]) == 1  # the held-out set exists: neither is written
     assert f"{out / 'val.json'} already exists; pass --overwrite to replace the val shards" in capsys.readouterr().err
     assert not list(out.glob("fresh*"))
     for bad in ("0", "1.5", "half"):
-        with pytest.raises(SystemExit):
-            make.main(argv[:-4] + ["--holdout", bad])
+        assert shards_write(argv[:-4] + ["--holdout", bad]) == 2
         assert "neither a count (1 or more) nor a fraction in (0, 1)" in capsys.readouterr().err
