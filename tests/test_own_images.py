@@ -1,6 +1,6 @@
 """docs/own-images.md as a user runs it: their own colour images of another size, in 3 class folders,
-to shards, pretraining, fine-tuning and the per-class test accuracy, with the demo's configs and the
-configs/data/own.yaml overlay. The folder holds no FashionMNIST shards, so a run that read them would
+to shards, pretraining, fine-tuning, the per-class test accuracy, the encoder's embeddings read by
+numpy and its export, with the demo's configs and the configs/data/own.yaml overlay. The folder holds no FashionMNIST shards, so a run that read them would
 fail; the few-shot evaluation and the analyses run on the user's shards, the classes come from their
 index.
 """
@@ -18,6 +18,7 @@ from PIL import Image
 from test_readme import code_blocks
 from workspace import ROOT, console_script, environment, run
 
+from mpp.commands import COMMANDS as MPP_COMMANDS
 from mpp.train.wandb_records import history
 
 DOC = (ROOT / "docs" / "own-images.md").read_text()
@@ -55,10 +56,13 @@ def user(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:4]))
 def test_own_images_from_a_folder_to_the_per_class_test_accuracy(user: Path, command: list[str]) -> None:
     env = environment(HOME=str(user))
-    if command[0] == "python":
+    if command[1] in MPP_COMMANDS:  # shards, export: no run to shrink
         argv = [arg.replace("~", str(user)) for arg in command]
-        result, _ = run([sys.executable, str(ROOT / argv[1]), *argv[2:], "--no-progress"], user, env=env)
+        extra = ["--no-progress"] if command[1] == "shards" else []
+        result, _ = run([console_script("mpp"), *argv[1:], *extra], user, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
+        if command[1] == "export":
+            assert sorted(p.name for p in (user / command[-1]).iterdir()) == ["config.json", "model.safetensors", "preprocessor_config.json"]
         return
     result, _ = run([console_script("mpp"), *command[1:], *SHRINK], user, env=env)
     out = result.stdout + result.stderr
@@ -75,3 +79,15 @@ def test_own_images_from_a_folder_to_the_per_class_test_accuracy(user: Path, com
     if command[1] == "test":
         shown = re.findall(r"test/accuracy/([^│┃]+?)\s*│", out)
         assert sorted(shown) == CLASSES, out[-3000:]
+    if command[1] == "predict":  # the held-out fifth of 120 images
+        assert f"mpp: predictions of 24 samples in {command[command.index('--predictions.out') + 1]}" in out
+
+
+def test_the_numpy_lines_read_the_predictions(user: Path) -> None:
+    """The page's python block, run as written after its commands: the keys and the embeddings, a row each."""
+    (block,) = re.findall(r"^```python\n(.*?)^```", DOC, flags=re.S | re.M)
+    result, _ = run([sys.executable, "-c", block], user, env=environment(HOME=str(user)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.fullmatch(r"24 \(24, 128\) (32-true|bf16-mixed)\n", result.stdout), result.stdout
+    keys = (user / "runs/shapes/embeddings/keys.txt").read_text().splitlines()
+    assert len(set(keys)) == 24, keys  # each image once

@@ -1,6 +1,7 @@
 """The commands of README.md and docs/*.md, taken from the pages themselves and run as written in a
-user's folder, shrunk by overrides appended after them (later options win): every `mpp` and
-`python tools/...` line in order (the README's first, then each doc's), the console transcripts, the
+user's folder, shrunk by overrides appended after them (later options win): every `mpp` line (the
+Lightning runs, then the commands of mpp.commands: shards, export, evaluate, analyse) in order (the
+README's first, then each doc's), the console transcripts, the
 torchrun recipe of docs/distributed.md as one node of 2 CPU processes (gloo) streaming from a local
 S3 server, and its SLURM recipe as 2 local processes carrying SLURM's environment, streaming from a
 local GCS server. The `python -m experiments...` studies run shrunk or as their plan; the comparison
@@ -40,6 +41,10 @@ from workspace import (
     run,
     unexplained_lines,
 )
+
+from mpp.commands import COMMANDS as MPP_COMMANDS
+from mpp.commands import RUN_COMMANDS
+from mpp.commands import main as mpp_main
 
 README = (ROOT / "README.md").read_text()
 # The pages whose commands run here, README first: a command's files come from the commands before it.
@@ -142,8 +147,8 @@ def page_commands() -> list[tuple[str, list[str]]]:
 
 PAGE_COMMANDS = page_commands()
 COMMANDS = [command for _, command in PAGE_COMMANDS]
-MPP = [(page, c) for page, c in PAGE_COMMANDS if c[0] == "mpp"]
-TOOLS = [(page, c) for page, c in PAGE_COMMANDS if c[0] == "python" and c[1].startswith("tools/")]
+MPP = [(page, c) for page, c in PAGE_COMMANDS if c[0] == "mpp" and c[1] not in MPP_COMMANDS]
+TOOLS = [(page, c) for page, c in PAGE_COMMANDS if c[0] == "mpp" and c[1] in MPP_COMMANDS]
 MODULES = [(page, c) for page, c in PAGE_COMMANDS if c[:2] == ["python", "-m"]]
 # Studies that take hours as written: run shrunk or as their plan (tool_arguments). The other modules'
 # lines (the comparison, the benchmarks) take minutes to hours too: their options are checked by --help.
@@ -171,7 +176,7 @@ def test_every_command_of_the_pages_is_one_this_file_runs() -> None:
         ]
         assert not [line for line in lines if line.split()[0] not in KNOWN], page
     python = [c for c in COMMANDS if c[0] == "python"]
-    assert all(c[1].startswith("tools/") or c[1:3][0] == "-m" for c in python), python
+    assert all(c[1] == "-m" for c in python), python  # the user's commands are `mpp` commands
     assert all(c[2].startswith(("experiments.", "benchmarks.")) for _, c in MODULES)
     makefile = (ROOT / "Makefile").read_text()
     for command in (c for c in COMMANDS if c[0] == "make"):
@@ -314,16 +319,18 @@ def test_transcripts_end_as_shown(user: Path, command: list[str], last: str) -> 
 
 
 def name(argv: list[str]) -> str:
-    """What a `python` line runs: `study` for `python -m experiments.study`, `fewshot` for `python tools/fewshot.py`."""
-    return argv[2].rsplit(".", 1)[-1] if argv[1] == "-m" else Path(argv[1]).stem
+    """What a line runs: `study` for `python -m experiments.study`, `shards-write` for `mpp shards write`."""
+    if argv[0] == "mpp":
+        return f"shards-{argv[2]}" if argv[1] == "shards" else argv[1]
+    return argv[2].rsplit(".", 1)[-1]
 
 
 def tool_arguments(argv: list[str]) -> list[str]:
-    """The tiny-input changes a `python` line needs here: Debian's FashionMNIST files are not installed."""
+    """The tiny-input changes a line needs here: Debian's FashionMNIST files are not installed."""
     tool = name(argv)
-    if "fashion-mnist" in argv and tool == "make_shards":
+    if "fashion-mnist" in argv and tool == "shards-write":
         return ["--dir", "fashion-mnist-idx", "--limit", "20"]
-    if tool == "fewshot":
+    if tool == "evaluate":
         return ["--max-train", "500", "--max-test", "200", "--num-workers", "0"]
     if tool == "study":  # --full needs Debian's FashionMNIST: what it would run, then
         if "--plan" in argv or "--full" in argv:
@@ -351,14 +358,14 @@ def tool_arguments(argv: list[str]) -> list[str]:
 
 
 def check_output(user: Path, argv: list[str], stdout: str) -> None:
-    """What a `python` line's output must show, and the files it must leave."""
+    """What a line's output must show, and the files it must leave."""
     tool = name(argv)
-    if tool == "make_shards":
+    if tool == "shards-write":
         out = Path(argv[argv.index("--out") + 1])
         assert any((user / out).glob("*.json")), stdout
     if "--holdout" in argv:
         assert (user / "shards/photos-split/val.json").is_file() and (user / "shards/photos-split/train.json").is_file()
-    if tool == "inspect_shards":
+    if tool == "shards-inspect":
         assert "verified: 12 samples" in stdout
     if tool == "study":
         shown = {
@@ -376,7 +383,7 @@ def check_output(user: Path, argv: list[str], stdout: str) -> None:
         assert (user / argv[argv.index("--results") + 1] / "leakage.json").is_file()
     if tool == "levers":
         assert "levers: wide: a wider encoder" in stdout and "in all: 23 runs, 12,700 optimiser steps" in stdout
-    if tool == "fewshot":
+    if tool == "evaluate":
         assert "(500 train / 200 test images" in stdout and re.search(r"^\| 25 \| \d+\.\d%", stdout, re.M)
 
 
@@ -384,9 +391,23 @@ def check_output(user: Path, argv: list[str], stdout: str) -> None:
 def test_tool_commands_run_as_written(user: Path, command: list[str]) -> None:
     argv = [str(Path(c).expanduser()) if c.startswith("~") else c for c in command]
     argv = [arg.replace(str(Path.home()), str(user)) for arg in argv]
-    result, _ = run([sys.executable, str(ROOT / argv[1]), *argv[2:], *tool_arguments(argv)], user, env=user_env(user))
+    result, _ = run([console_script("mpp"), *argv[1:], *tool_arguments(argv)], user, env=user_env(user))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     check_output(user, argv, result.stdout)
+
+
+PYTHON_BLOCKS = [
+    (page, block)
+    for page, text in PAGES.items()
+    for block in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+]
+
+
+@pytest.mark.parametrize(("page", "block"), PYTHON_BLOCKS, ids=[page for page, _ in PYTHON_BLOCKS])
+def test_python_blocks_run_as_written(user: Path, page: str, block: str) -> None:
+    """A page's Python lines (reading what its commands wrote) run as written, after those commands."""
+    result, _ = run([sys.executable, "-c", block], user, env=user_env(user))
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("command", params([(page, c) for page, c in MODULES if c[2] in RUN_MODULES]))
@@ -429,22 +450,36 @@ def test_module_commands_take_the_options_shown(usage: Callable[[str], str], com
     assert [option for option in options if not re.search(rf"{re.escape(option)}\b", text)] == [], text
 
 
-TOOLS_RUN = sorted(p.name for p in (ROOT / "tools").glob("*.py"))
+SOURCES = ("folder", "flat", "fashion-mnist", "cifar")
+HELPS = [["shards"], ["shards", "write"], *(["shards", "write", source] for source in SOURCES), ["shards", "inspect"],
+         ["export"], ["evaluate"], ["analyse"]]
 
 
-def test_the_tools_folder_holds_the_users_scripts() -> None:
-    """Every file in tools/ is a script a user runs (the studies are in experiments/, the benchmarks in benchmarks/)."""
-    assert [tool for tool in TOOLS_RUN if "__main__" not in (ROOT / "tools" / tool).read_text()] == []
-
-
-@pytest.mark.parametrize("tool", TOOLS_RUN)
-def test_every_tool_says_how_to_use_it(tool: str, monkeypatch, capsys) -> None:
-    """`python tools/<tool> --help`, run as __main__ in this process (its imports are this process's already)."""
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "tools" / tool), "--help"])
+@pytest.mark.parametrize("command", HELPS, ids=" ".join)
+def test_every_command_says_how_to_use_it(command: list[str], capsys) -> None:
+    """`mpp <command> --help` prints its usage and exits 0; `--bogus` is one error line and exit code 2."""
     with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(ROOT / "tools" / tool), run_name="__main__")
-    assert exit_.value.code in (0, None)
-    assert capsys.readouterr().out.startswith("usage:")
+        mpp_main([*command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: mpp {' '.join(command)}"), out[:200]
+    with pytest.raises(SystemExit) as exit_:
+        mpp_main([*command, "--bogus"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("mpp: error: ")
+
+
+def test_mpp_help_lists_every_command(user: Path) -> None:
+    """`mpp --help` names the Lightning runs and every command of mpp.commands, with what each does; an
+    unknown command is one line naming them."""
+    result, _ = run([console_script("mpp"), "--help"], user, env=user_env(user))
+    assert result.returncode == 0, result.stderr
+    for command, what in [*RUN_COMMANDS.items(), *((c, about) for c, (_, about) in MPP_COMMANDS.items())]:
+        assert re.search(rf"^  {command} +{re.escape(what)}$", result.stdout, re.M), command
+    result, _ = run([console_script("mpp"), "pretrain"], user, env=user_env(user))
+    assert result.returncode == 2 and result.stderr == (
+        "mpp: error: no command pretrain: mpp's commands are fit, validate, test, predict, shards, export, evaluate, "
+        "analyse; `mpp --help` says what each does\n")
 
 
 def free_port() -> int:
