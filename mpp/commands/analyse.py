@@ -109,9 +109,10 @@ def main(argv: list[str]) -> int:
         )
     paths = [checkpoint_file(path) for path in args.checkpoints]
     images = args.images or validation_shards(paths[0])
-    if not args.images:
-        print(f"images: the first {args.num_images} of {images}, the validation shards of {paths[0]}")
     analyses = {name: analyse_checkpoint(path, images, args) for name, path in zip(names, paths)}
+    if not args.images:
+        count = next(iter(analyses.values())).num_images
+        print(f"images: the first {count} of {images}, the validation shards of {paths[0]}")
     pictures = {}
     for name, analysis in analyses.items():
         pictures[f"filters-{file_name(name)}"] = filters_figure(analysis.components, analysis.explained, title=name)

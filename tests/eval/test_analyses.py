@@ -297,13 +297,14 @@ def test_the_tool_reads_the_checkpoints_validation_shards_when_no_images_are_giv
     for split in ("val", "test"):
         torch.save({**bare, "datamodule_hyper_parameters": {split: images}}, tmp_path / f"{split}.ckpt")
         out = tmp_path / split
-        code = mpp_command("analyse", str(tmp_path / f"{split}.ckpt"), "--out", str(out), "--num-images", "4",
+        code = mpp_command("analyse", str(tmp_path / f"{split}.ckpt"), "--out", str(out), "--num-images", "40",
                            "--map-images", "2", "--device", "cpu")
         assert code == 0, capsys.readouterr().err
         printed = capsys.readouterr().out
-        assert printed.startswith(f"images: the first 4 of {images}, the validation shards of {tmp_path / split}.ckpt\n")
+        # The shards hold 12 images, fewer than asked for: all are read, and said.
+        assert printed.startswith(f"images: the first 12 of {images}, the validation shards of {tmp_path / split}.ckpt\n")
         numbers = json.loads((out / "analysis.json").read_text())
-        assert numbers["images"] == images and numbers["encoders"][split]["num_images"] == 4
+        assert numbers["images"] == images and numbers["encoders"][split]["num_images"] == 12
 
 
 def test_the_callback_analyses_the_encoder_during_a_fit_without_wandb(tmp_path):
