@@ -35,7 +35,10 @@ class ViTConfig:
         heads: attention heads; must divide `dim`.
         mlp_dim: hidden width of each block's MLP.
         channels: input channels C.
-        dropout: dropout after the position embeddings, in the MLP and after attention.
+        dropout: dropout after the position embeddings, in the MLP and on the attention's output
+            (the reference ViT's `dropout_rate`: 0.1 when training from scratch).
+        attention_dropout: dropout of the attention weights (the reference ViT's
+            `attention_dropout_rate`, 0 in every recipe of the paper).
         stem: a ResNet-v2 stem (layers, width) whose features the patches are cut from; null: the
             pure ViT, patches of pixels.
     """
@@ -48,6 +51,7 @@ class ViTConfig:
     mlp_dim: int
     channels: int = 3
     dropout: float = 0.0
+    attention_dropout: float = 0.0
     stem: StemConfig | None = None
 
     def __post_init__(self) -> None:
@@ -58,8 +62,9 @@ class ViTConfig:
                 raise ValueError(f"encoder.{name} must be at least 1, got {getattr(self, name)}")
         if self.dim % self.heads:
             raise ValueError(f"encoder.dim ({self.dim}) must be divisible by encoder.heads ({self.heads})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"encoder.dropout must be in [0, 1), got {self.dropout}")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"encoder.{name} must be in [0, 1), got {getattr(self, name)}")
         if min(pair(self.patch_size)) < 1:
             raise ValueError(f"encoder.patch_size must be at least 1, got {self.patch_size}")
         stride = "" if self.stem is None else f" times the stem's stride {self.stem.stride}"
@@ -124,12 +129,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, dropout: float = 0.0) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention (`attend`: the fused kernels where they are the faster)."""
+    """Multi-head self-attention (`attend`: the fused kernels where they are the faster); dropout of
+    its weights (`attention_dropout`) and of its output (`dropout`)."""
 
-    def __init__(self, *, dim: int, heads: int, dropout: float) -> None:
+    def __init__(self, *, dim: int, heads: int, dropout: float, attention_dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads
-        self.dropout = dropout
+        self.attention_dropout = attention_dropout
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(dropout)
@@ -148,7 +154,7 @@ class Attention(nn.Module):
         q, k, v = self.split_heads(x)
         if queries is not None:
             q = q.gather(2, queries[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[-1]))
-        dropout = self.dropout if self.training else 0.0
+        dropout = self.attention_dropout if self.training else 0.0
         if return_weights:
             weights = attention_weights(q, k)
             out = mix(weights, v, dropout)
@@ -175,11 +181,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: z' = MSA(LN(z)) + z; z = MLP(LN(z')) + z'."""
 
-    def __init__(self, *, dim: int, heads: int, mlp_dim: int, dropout: float) -> None:
+    def __init__(self, *, dim: int, heads: int, mlp_dim: int, dropout: float, attention_dropout: float = 0.0) -> None:
         super().__init__()
         # eps 1e-6 as in the reference JAX implementation.
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim=dim, heads=heads, dropout=dropout)
+        self.attn = Attention(dim=dim, heads=heads, dropout=dropout, attention_dropout=attention_dropout)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = MLP(dim=dim, hidden=mlp_dim, dropout=dropout)
 
@@ -216,7 +222,13 @@ class ViT(nn.Module):
         self.pos_embed = nn.Parameter(torch.empty(1, 1 + config.num_patches, config.dim))
         self.pos_drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
-            Block(dim=config.dim, heads=config.heads, mlp_dim=config.mlp_dim, dropout=config.dropout)
+            Block(
+                dim=config.dim,
+                heads=config.heads,
+                mlp_dim=config.mlp_dim,
+                dropout=config.dropout,
+                attention_dropout=config.attention_dropout,
+            )
             for _ in range(config.depth)
         )
         self.norm = nn.LayerNorm(config.dim, eps=1e-6)

@@ -1,6 +1,7 @@
 """The encoder: parameter counts, patchify, attention, positions and their resize."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from einops import rearrange
 from workspace import ROOT
 
 from mpp import ViT, ViTConfig, patchify
-from mpp.model.vit import attend, attention_weights
+from mpp.model.vit import Attention, attend, attention_weights
 
 PRESETS = ROOT / "configs" / "model"
 
@@ -83,6 +84,41 @@ def test_bf16_attention_on_the_cpu_matches_the_fused_kernel_and_drops_weights():
     assert (dropped == 0).float().mean() > 0.9
     attend(qb, k.bfloat16(), v.bfloat16()).float().sum().backward()
     assert qb.grad is not None and qb.grad.abs().sum() > 0
+
+
+def test_attention_weights_are_dropped_by_attention_dropout_alone(monkeypatch):
+    """As the reference ViT: `dropout` (0.1 from scratch) after the position embeddings, in the MLP and on
+    the attention's output; `attention_dropout` (0 in every recipe) on the attention weights."""
+    config = ViTConfig(image_size=8, patch_size=4, dim=16, depth=2, heads=2, mlp_dim=32, dropout=0.1)
+    model = ViT(config)
+    assert config.attention_dropout == 0.0
+    for block in model.blocks:
+        assert block.attn.attention_dropout == 0.0 and block.attn.proj_drop.p == 0.1 and block.mlp.drop.p == 0.1
+    asked = []
+
+    def recording(q, k, v, dropout=0.0):
+        asked.append(dropout)
+        return attend(q, k, v, dropout)
+
+    monkeypatch.setattr("mpp.model.vit.attend", recording)
+    images = torch.randn(2, 3, 8, 8)
+    model.train()(images)
+    assert asked == [0.0, 0.0]
+    asked.clear()
+    ViT(replace(config, attention_dropout=0.2)).train()(images)
+    assert asked == [0.2, 0.2]
+    asked.clear()
+    ViT(replace(config, attention_dropout=0.2)).eval()(images)
+    assert asked == [0.0, 0.0]
+    # Without any dropout, training and evaluation compute the same; with the weights' alone, not.
+    torch.manual_seed(0)
+    attention = Attention(dim=16, heads=2, dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(attention.train()(x), attention.eval()(x))
+    attention.attention_dropout = 0.5
+    assert not torch.allclose(attention.train()(x), attention.eval()(x))
+    with pytest.raises(ValueError, match=r"encoder.attention_dropout must be in \[0, 1\), got 1.0"):
+        replace(config, attention_dropout=1.0)
 
 
 def test_blocks_asked_for_their_attention_give_the_fused_output_and_the_textbook_weights():

@@ -61,8 +61,9 @@ def test_hyperparameters_are_the_constructor_arguments_as_plain_data():
 
 def test_dropout_may_differ_from_the_pretraining_encoder(tmp_path):
     pretraining_checkpoint(tmp_path / "mpp.ckpt")
-    model = classifier(encoder=replace(TINY, dropout=0.1), pretrained=str(tmp_path / "mpp.ckpt"))
-    assert model.encoder.config.dropout == 0.1
+    model = classifier(encoder=replace(TINY, dropout=0.1, attention_dropout=0.05), pretrained=str(tmp_path / "mpp.ckpt"))
+    assert model.encoder.config.dropout == 0.1 and model.encoder.config.attention_dropout == 0.05
+    assert model.encoder.blocks[0].attn.attention_dropout == 0.05
 
 
 @pytest.mark.parametrize("change, named", [({"dim": 48, "heads": 2}, "encoder.dim"), ({"depth": 3}, "encoder.depth"),
