@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 
 from mpp.commands import checkpoint_file, command_parser
+from mpp.errors import ConfigError
 from mpp.model.checkpoint import checkpoint_normalisation, load_encoder, read_checkpoint
 from mpp.model.export import write_export
 from mpp.model.layouts import EXTRA_PREFIX, LAYOUT_NAMES, Layout
@@ -71,7 +72,10 @@ def argument_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = argument_parser().parse_args(argv)
-    written = export(checkpoint_file(args.checkpoint), layout=args.format, out=args.out, with_head=args.with_head)
+    try:
+        written = export(checkpoint_file(args.checkpoint), layout=args.format, out=args.out, with_head=args.with_head)
+    except ValueError as error:  # not an mpp checkpoint, or an encoder the format cannot hold: exit code 2
+        raise ConfigError(str(error)) from error
     print(f"{LAYOUT_NAMES[args.format]} export of {args.checkpoint}:")
     print("\n".join(f"  {file}" for file in written))
     return 0

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_export import REAL, SGD, TINY, TOLERANCE, WIDE, all_tokens, encoder, export, export_main, images
+from test_export import REAL, SGD, TINY, TOLERANCE, WIDE, all_tokens, encoder, export, images
+from workspace import mpp_command
 
 from mpp import ImageClassifier, MaskedPatchPretraining, ViTConfig
 from mpp.model.checkpoint import load_encoder, read_checkpoint
@@ -43,7 +44,7 @@ def test_fine_tuning_starts_from_an_export_at_another_image_size(tmp_path: Path,
 
 def test_continued_pretraining_starts_its_encoder_from_an_export_and_its_head_fresh(tmp_path: Path) -> None:
     out = tmp_path / "export"
-    assert export_main([str(REAL), "--format", "timm", "--out", str(out), "--with-head"]) == 0
+    assert mpp_command("export", str(REAL), "--format", "timm", "--out", str(out), "--with-head") == 0
     saved = read_checkpoint(str(REAL))["state_dict"]
     config = ViTConfig(**read_checkpoint(str(REAL))["encoder_config"])
     model = MaskedPatchPretraining(encoder=config, optimizer=SGD, pretrained=str(out))

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_export import encoder, export_main
-from workspace import ROOT
+from test_export import encoder
+from workspace import ROOT, mpp_command
 
 from mpp import CorruptionConfig, ImageClassifier, MaskedPatchPretraining, OptimizerConfig, ViT, ViTConfig
 from mpp.config import read_config
@@ -246,8 +246,9 @@ def test_hugging_face_export_refuses_a_hybrid(tmp_path: Path):
 
 def test_the_export_tool_refuses_a_hybrid_for_hugging_face_naming_the_way_out(tmp_path: Path, capsys):
     pretraining_checkpoint(tmp_path / "mpp.ckpt")
-    assert export_main([str(tmp_path / "mpp.ckpt"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
-    assert "has no ResNet stem" in capsys.readouterr().err and not (tmp_path / "hf").exists()
+    assert mpp_command("export", str(tmp_path / "mpp.ckpt"), "--format", "hf", "--out", str(tmp_path / "hf")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpp: error: ") and "has no ResNet stem" in err and not (tmp_path / "hf").exists()
 
 
 def test_timm_export_refuses_a_stem_timm_does_not_build(tmp_path: Path):
