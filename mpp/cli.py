@@ -30,7 +30,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from tqdm.auto import tqdm
 
-from mpp.commands import COMMANDS, RUN_COMMANDS, run_command
+from mpp.commands import COMMANDS, run_command, unknown_command
 from mpp.config import register_parser_mode
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.classes import fill_classes
@@ -296,9 +296,9 @@ def main(args: list[str] | None = None) -> None:
     keep_arguments_out_of_wandb([*sys.argv, *argv])
     choose_wandb_mode()
     try:
-        if argv and not argv[0].startswith("-") and argv[0] not in RUN_COMMANDS:
-            known = ", ".join([*RUN_COMMANDS, *COMMANDS])
-            raise ConfigError(f"no command {argv[0]}: mpp's commands are {known}; `mpp --help` says what each does")
+        unknown = unknown_command(argv)
+        if unknown:
+            raise ConfigError(unknown)
         MPPCLI(
             pl.LightningModule,
             ShardDataModule,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from mpp.errors import ConfigError, debugging, exit_code, explain
@@ -76,17 +77,22 @@ def run_command(argv: list[str]) -> int:
         return exit_code(error)
 
 
+def unknown_command(argv: list[str]) -> str | None:
+    """What is wrong with a command line whose first word names no command of mpp, if it does not."""
+    if not argv or argv[0].startswith("-") or argv[0] in RUN_COMMANDS or argv[0] in COMMANDS:
+        return None
+    known = ", ".join([*RUN_COMMANDS, *COMMANDS])
+    return f"no command {argv[0]}: mpp's commands are {known}; `mpp --help` says what each does"
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the `mpp` console script: a command of this package, or a Lightning run (mpp.cli)."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv and argv[0] in COMMANDS:
         raise SystemExit(run_command(argv))
-    if argv and not argv[0].startswith("-") and argv[0] not in RUN_COMMANDS:
-        known = ", ".join([*RUN_COMMANDS, *COMMANDS])
-        print(
-            f"mpp: error: no command {argv[0]}: mpp's commands are {known}; `mpp --help` says what each does",
-            file=sys.stderr,
-        )
+    unknown = unknown_command(argv)
+    if unknown:
+        print(f"mpp: error: {unknown}", file=sys.stderr)
         raise SystemExit(2)
     from mpp.cli import main as run
 
@@ -95,8 +101,6 @@ def main(args: list[str] | None = None) -> None:
 
 def checkpoint_file(path: str) -> str:
     """A checkpoint the command line names, which must be a file: else the line that says what it is."""
-    from pathlib import Path
-
     if not Path(path).exists():
         raise ConfigError(f"{path} does not exist; give a .ckpt file, e.g. runs/<run>/checkpoints/last.ckpt")
     if Path(path).is_dir():
