@@ -152,21 +152,24 @@ def test_a_classifier_gives_probabilities_and_classes_of_unlabelled_shards(
     assert info["classes"] == CLASSES and set(info["files"]) == {"keys.txt", "probabilities.npy", "predictions.npy"}
 
 
-def test_two_ranks_write_every_sample_once_in_shard_order(
-    tmp_path: Path, shards: tuple[str, list[str]], checkpoints: dict[str, Path]
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_several_ranks_write_every_sample_once_in_shard_order(
+    tmp_path: Path, shards: tuple[str, list[str]], checkpoints: dict[str, Path], ranks: int
 ) -> None:
-    """3 shards of 5, 6 and 4 samples on 2 ranks of 2 workers: rank 0 reads 9 samples, in batches of
-    its two workers' shards taking turns, rank 1 reads 6 and then runs an empty batch in step."""
+    """3 shards of 5, 6 and 4 samples. On 2 ranks of 2 workers, rank 0 reads 9 samples, in batches of
+    its two workers' shards taking turns, rank 1 reads 6 and then runs an empty batch in step; on 3, each
+    rank reads a shard of its own, 5, 6 and 4 samples, in 2, 2 and 1 batches of 4; on 4, the fourth has
+    no shard and runs empty batches in step."""
     pattern, keys = shards
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, several = tmp_path / "one", tmp_path / "several"
     predict("configs/pretrain/demo.yaml", checkpoints["pretrain"], pattern, one)
-    predict("configs/pretrain/demo.yaml", checkpoints["pretrain"], pattern, two, "--trainer.accelerator", "cpu",
-            "--trainer.devices", "2", "--trainer.strategy", "ddp")
-    assert (two / "keys.txt").read_text().splitlines() == keys
-    np.testing.assert_allclose(np.load(two / "embeddings.npy"), np.load(one / "embeddings.npy"), atol=1e-6)
-    info = json.loads((two / "predict.json").read_text())
-    assert info["ranks"] == 2 and info["samples"] == 15 and [s["samples"] for s in info["shards"]] == SIZES
-    assert not (two / "parts").exists()
+    predict("configs/pretrain/demo.yaml", checkpoints["pretrain"], pattern, several, "--trainer.accelerator", "cpu",
+            "--trainer.devices", str(ranks), "--trainer.strategy", "ddp")
+    assert (several / "keys.txt").read_text().splitlines() == keys
+    np.testing.assert_allclose(np.load(several / "embeddings.npy"), np.load(one / "embeddings.npy"), atol=1e-6)
+    info = json.loads((several / "predict.json").read_text())
+    assert info["ranks"] == ranks and info["samples"] == 15 and [s["samples"] for s in info["shards"]] == SIZES
+    assert not (several / "parts").exists()
 
 
 def error_line(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
