@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import braceexpand
+
 from mpp.data.module import ShardSpec
-from mpp.data.urls import expand_urls
+from mpp.data.urls import expand_urls, index_classes, is_index
 from mpp.errors import ConfigError
 from mpp.secrets import redact
 from mpp.shards.format import ShardError
@@ -14,13 +16,26 @@ from mpp.shards.inspector import listed_classes
 
 
 def listed_classes_of(spec: ShardSpec, *, allow_pipe: bool = False) -> tuple[list[str], str] | None:
-    """The class names the shard index (the sidecar beside mpp's shards) of a split lists, and the
-    sidecar's path; None where none lists them."""
+    """The class names the shard index of a split lists, and where: an index the split names (a path or
+    a URL), or the index beside local shards named like mpp's; None where none lists them. Indexes that
+    list other classes are an error naming both."""
+    items = [spec] if isinstance(spec, str) else list(spec)
     try:
-        listed = listed_classes(expand_urls(spec, allow_pipe=allow_pipe))
+        named = [url for item in items for url in braceexpand.braceexpand(item) if is_index(url)]
+        found = [(classes, url) for url in named if (classes := index_classes(url)) is not None]
+        beside = listed_classes(expand_urls(spec, allow_pipe=allow_pipe))
     except (OSError, ValueError, ShardError) as error:
         raise ConfigError(redact(str(error))) from error
-    return None if listed is None else (listed[0], str(listed[1][0]))
+    found += [] if beside is None else [(beside[0], str(beside[1][0]))]
+    if not found:
+        return None
+    (classes, where), *others = found
+    for other, elsewhere in others:
+        if other != classes:
+            raise ConfigError(
+                redact(f"{where} lists classes {classes} and {elsewhere} lists {other}: name shards of one labelling")
+            )
+    return classes, where
 
 
 def fill_classes(config: Any, subcommand: str | None) -> list[str]:

@@ -90,6 +90,15 @@ def index_shards(url: str) -> tuple[list[str], int]:
     return shards, sum(entry["samples"] for entry in index["shards"])
 
 
+def index_classes(url: str) -> list[str] | None:
+    """The class names a shard index, local or remote, lists; None where it lists none."""
+    try:
+        classes = parse_index(_read_index(url), url).get("classes")
+    except ShardError as error:
+        raise ValueError(str(error)) from None
+    return None if classes is None else [str(name) for name in classes]
+
+
 def _read_index(url: str) -> bytes:
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme in REMOTE_SCHEMES:

@@ -28,6 +28,7 @@ from test_storage import (  # noqa: F401 - the S3 and HTTP servers and their sha
 from workspace import ROOT
 
 from mpp.cli import main
+from mpp.data.classes import listed_classes_of
 from mpp.data.loader import EmptyEpochError
 from mpp.data.module import ShardDataModule
 from mpp.data.samples import EmptyShardsError, Skips
@@ -86,17 +87,35 @@ def test_shard_names_are_relative_to_a_remote_index(request: pytest.FixtureReque
 
     endpoint, server, folder = (request.getfixturevalue(name)  # test_storage's fixtures, imported above
                                 for name in ("s3_endpoint", "http_server", "shard_dir"))
-    index = {"format": FORMAT, "prefix": "train", "shards": [{"name": name, "samples": PER_SHARD} for name in NAMES]}
+    index = {"format": FORMAT, "prefix": "train", "shards": [{"name": name, "samples": PER_SHARD} for name in NAMES],
+             "classes": ["coat", "shirt"]}
     (folder / "train.json").write_text(json.dumps(index))
     boto3.client("s3", endpoint_url=endpoint).put_object(Bucket=BUCKET, Key="data/train.json",
                                                          Body=json.dumps(index).encode())
     url = f"s3://{BUCKET}/data/train.json"
     assert expand_shards(url) == ShardSet([f"s3://{BUCKET}/data/{name}" for name in NAMES], SHARDS * PER_SHARD)
+    assert listed_classes_of(url) == (["coat", "shirt"], url)  # a classifier's classes, from the remote index
     _same_as_disk(url, folder, num_workers=0)
     host, port = server.server_address
     url = f"http://{host}:{port}/train.json"
     assert expand_shards(url).urls == [f"http://{host}:{port}/{name}" for name in NAMES]
+    assert listed_classes_of(url) == (["coat", "shirt"], url)
     _same_as_disk(url, folder, num_workers=0)
+
+
+def test_the_classes_come_from_the_index_a_split_names_and_must_agree(tmp_path: Path) -> None:
+    """A classifier's classes from an index given as the split (beside its shards or not); two that list
+    other classes are refused, naming both."""
+    index = write_set(tmp_path / "set")
+    assert listed_classes_of(str(index)) is None  # this index lists no classes
+    listing = {**json.loads(index.read_text()), "classes": [f"c{i}" for i in range(COUNT)]}
+    index.write_text(json.dumps(listing))
+    assert listed_classes_of(str(index)) == (listing["classes"], str(index))
+    other = tmp_path / "set" / "other.json"
+    other.write_text(json.dumps({**listing, "classes": ["x", "y"]}))
+    with pytest.raises(ConfigError, match=re.escape(f"{index} lists classes {listing['classes']} and {other} lists "
+                                                    "['x', 'y']: name shards of one labelling")):
+        listed_classes_of([str(index), str(other)])
 
 
 @pytest.mark.parametrize(("content", "said"), [
