@@ -5,9 +5,9 @@
     mpp fit --config configs/pretrain/demo.yaml --print_config > my_run.yaml
 
 The config's `model.class_path` picks the module (pretraining, fine-tuning, from scratch); a
-mapping in a config can start from another file with `__base__` (mpp.config). The commands that
-are not a Lightning run (`mpp shards`, `mpp export`, `mpp evaluate`, `mpp analyse`) are mpp.commands,
-ending as these do: in one line and an exit code.
+mapping in a config can start from another file with `__base__` (mpp.config). The console script
+enters at mpp.commands.main, which runs the commands that are not a Lightning run (`mpp shards`,
+`mpp export`, `mpp evaluate`, `mpp analyse`) and refuses an unknown one before coming here.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from tqdm.auto import tqdm
 
-from mpp.commands import COMMANDS, run_command, unknown_command
 from mpp.config import register_parser_mode
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.classes import fill_classes
@@ -283,10 +282,8 @@ def end_progress_bars() -> None:
 
 def main(args: list[str] | None = None) -> None:
     """A Lightning run of the `mpp` console script (mpp.commands.main): a failure ends in one line and an
-    exit code. The other commands run here too, for `python -m mpp.cli shards ...`."""
+    exit code."""
     argv = list(sys.argv[1:] if args is None else args)
-    if argv and argv[0] in COMMANDS:
-        raise SystemExit(run_command(argv))
     debug = debugging(argv)
     argv = [arg for arg in argv if arg != "--traceback"]
     if args is None:  # LightningCLI reads the command line itself, and warns when also given it
@@ -296,9 +293,6 @@ def main(args: list[str] | None = None) -> None:
     keep_arguments_out_of_wandb([*sys.argv, *argv])
     choose_wandb_mode()
     try:
-        unknown = unknown_command(argv)
-        if unknown:
-            raise ConfigError(unknown)
         MPPCLI(
             pl.LightningModule,
             ShardDataModule,
