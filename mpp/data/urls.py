@@ -16,6 +16,7 @@ import re
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import braceexpand
 
@@ -77,10 +78,7 @@ def is_index(url: str) -> bool:
 
 def index_shards(url: str) -> tuple[list[str], int]:
     """A shard index, local or remote -> the URLs of the shards it lists (beside it) and their samples."""
-    try:
-        index = parse_index(_read_index(url), url)
-    except ShardError as error:
-        raise ValueError(str(error)) from None
+    index = read_index(url)
     if not index["shards"]:
         raise ValueError(f"shard index {url} lists no shards")
     shards = [_beside(url, entry["name"]) for entry in index["shards"]]
@@ -92,11 +90,16 @@ def index_shards(url: str) -> tuple[list[str], int]:
 
 def index_classes(url: str) -> list[str] | None:
     """The class names a shard index, local or remote, lists; None where it lists none."""
+    classes = read_index(url).get("classes")
+    return None if classes is None else [str(name) for name in classes]
+
+
+def read_index(url: str) -> dict[str, Any]:
+    """A shard index, local or remote, read and checked; a ValueError saying what it is where it is none."""
     try:
-        classes = parse_index(_read_index(url), url).get("classes")
+        return parse_index(_read_index(url), url)
     except ShardError as error:
         raise ValueError(str(error)) from None
-    return None if classes is None else [str(name) for name in classes]
 
 
 def _read_index(url: str) -> bytes:
