@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from experiments.plan import Job, Plan
 from experiments.settings import Settings
@@ -48,17 +48,27 @@ def read_results(out: Path) -> dict[str, dict]:
 
 
 def metric_curve(path: Path, metric: str) -> list[tuple[int, float]]:
-    """(step, value) of a metric in a CSV logger's metrics.csv, the step counted from 1 (the logger
-    writes the number of steps before, so a run of 500 validates last at 499); a step logged twice (a
-    resumed run repeats the steps after its checkpoint) keeps its last value."""
-    if not path.exists():
-        return []
+    """(step, value) of a metric in a CSV logger's metrics.csv, and in the files `keep_metrics` kept
+    beside it from earlier attempts, the step counted from 1 (the logger writes the number of steps
+    before, so a run of 500 validates last at 499); a step logged twice (a resumed run repeats the
+    steps after its checkpoint) keeps its last value."""
     values: dict[int, float] = {}
-    with path.open(newline="") as file:
-        for row in csv.DictReader(file):
-            if row.get(metric) not in (None, ""):
-                values[int(row["step"]) + 1] = float(row[metric])
+    for part in [*sorted(path.parent.glob(f"{path.stem}.attempt*{path.suffix}")), path]:
+        if not part.exists():
+            continue
+        with part.open(newline="") as file:
+            for row in csv.DictReader(file):
+                if row.get(metric) not in (None, ""):
+                    values[int(row["step"]) + 1] = float(row[metric])
     return sorted(values.items())
+
+
+def keep_metrics(path: Path) -> None:
+    """Lightning's CSV logger deletes the metrics.csv it finds: before a run resumes, move it aside
+    (metrics.attempt001.csv, ...), so that its curve keeps the steps before the resume."""
+    if path.exists():
+        count = len(list(path.parent.glob(f"{path.stem}.attempt*{path.suffix}")))
+        path.rename(path.with_name(f"{path.stem}.attempt{count + 1:03d}{path.suffix}"))
 
 
 @contextlib.contextmanager
@@ -142,16 +152,20 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     folder = run_folder(out, job.name)
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    result: dict[str, Any] = {"name": job.name, "kind": job.kind}
+    result: dict[str, Any] = {"name": job.name, "kind": job.kind, "machines": note_machine(folder)}
     with output_to(folder / "log.txt"):
         if job.kind == "fit":
             resume = last_checkpoint(out, job.name)
             args = ["fit", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
             args += checkpointing(folder, settings.checkpoint_every)
+            if resume.exists():
+                keep_metrics(folder / "metrics.csv")
             cli(args + (["--ckpt_path", str(resume)] if resume.exists() else []))
             curve = metric_curve(folder / "metrics.csv", "val/accuracy")
             result["val_curve"] = curve
             result["val_accuracy"] = curve[-1][1] if curve else None
+            losses = metric_curve(folder / "metrics.csv", "val/loss")
+            result["val_loss"] = losses[-1][1] if losses else None
         elif job.kind == "test":
             args = ["test", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
             args += ["--data.test", settings.splits.test, "--ckpt_path", str(last_checkpoint(out, job.checkpoint))]
@@ -170,6 +184,34 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     temporary.write_text(json.dumps(result, indent=1))
     temporary.replace(folder / "result.json")
     return result
+
+
+def machine() -> dict[str, Any]:
+    """What a run computes on: the CPU's name, whether it computes bf16 natively (so the precision a
+    config without one takes), the threads and torch."""
+    import torch
+
+    from mpp.precision import cpu_has_bf16
+
+    name = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
+    bf16 = cpu_has_bf16()
+    return {"cpu": name, "bf16": bf16, "precision": "bf16-mixed" if bf16 else "32-true",
+            "threads": torch.get_num_threads(), "torch": torch.__version__}  # fmt: skip
+
+
+def _cpuinfo() -> list[str]:
+    path = Path("/proc/cpuinfo")
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def note_machine(folder: Path) -> list[dict[str, Any]]:
+    """Add this attempt's machine to the run's machines.jsonl (a resumed run may have run on several);
+    returns the different machines the run has run on."""
+    path = folder / "machines.jsonl"
+    with path.open("a") as file:
+        file.write(json.dumps(machine()) + "\n")
+    seen = [json.loads(line) for line in path.read_text().splitlines()]
+    return [dict(entry) for entry in {json.dumps(entry, sort_keys=True): entry for entry in seen}.values()]
 
 
 def note_test_read(out: Path, name: str) -> None:
@@ -228,17 +270,28 @@ def record_choices(out: Path, choices: dict[str, dict[str, Any] | None]) -> dict
     for key, choice in choices.items():
         if choice is None:
             continue
-        if key in known and known[key]["lr"] == choice["lr"]:
+        if key in known and {k: v for k, v in known[key].items() if k != "time"} == choice:
             choice = {**choice, "time": known[key]["time"]}
         known[key] = {**choice, "time": choice.get("time", time.time())}
     path.write_text(json.dumps(known, indent=1))
     return known
 
 
-def run_study(settings: Settings, out: Path, *, jobs: int, say: Any = print) -> dict[str, dict]:
-    """Run every job of the study not yet finished under `out`, `jobs` at a time; returns all results."""
+class Planner(Protocol):
+    """What decides a study's jobs: experiments.plan.Plan, or another (experiments.curve.CurvePlan)."""
+
+    def all_choices(self, results: dict[str, dict]) -> dict[str, dict[str, Any] | None]: ...
+
+    def ready(self, results: dict[str, dict]) -> tuple[list[Job], bool]: ...
+
+
+def run_study(
+    settings: Settings, out: Path, *, jobs: int, say: Any = print, plan: Planner | None = None
+) -> dict[str, dict]:
+    """Run every job of the study not yet finished under `out`, `jobs` at a time, as `plan` (default
+    the study's Plan) decides; returns all results."""
     out.mkdir(parents=True, exist_ok=True)
-    plan = Plan(settings)
+    plan = plan or Plan(settings)
     results = read_results(out)
     progress = Progress()
     attempts_path = out / "attempts.json"

@@ -1,0 +1,323 @@
+"""Where does MPP pay? The pretraining-budget curve: MPP pretrained on the unlabelled pool for several
+budgets of optimiser steps (each its own run with its own warmup and cosine decay), each fine-tuned at
+1,000 labels; beside it training from scratch over a grid of step counts, whose best on validation is
+its plateau and whose runs of pretraining + fine-tuning steps are the matched-compute arm of each
+budget; and supervised pretraining on the labelled images at the same budgets.
+
+    python -m experiments.curve --plan                     # what it runs, and how many steps
+    python -m experiments.curve --results results/curve    # run (or go on), then the table, JSON and picture
+    python -m experiments.curve --quick --out runs/curve-quick   # a few steps on the embedded sample
+
+Every learning rate is chosen on the validation split with the first seed, from a grid that extends
+past its edge while its best value is there (at most --extensions times); the from-scratch step count
+(the plateau) is the one whose final runs are best on validation, the mean over seeds. The test set is
+read once per final run and once per frozen pretrained encoder, after the choices of its point.
+Runs resume: the same command again goes on where it stopped, and --budgets may add budgets later
+(the runs already made are kept). It needs the full FashionMNIST shards (`apt-get install
+dataset-fashion-mnist`; made once, as `python -m experiments.study --full` makes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from experiments.plan import Job, lr_name
+from experiments.runner import run_study
+from experiments.settings import Settings
+from experiments.study import CONFIGS, QUICK, ROOT, full_splits, make_full_shards, sample_splits
+
+LABELS = 1000  # the label budget of every fine-tuning and from-scratch run
+BUDGETS = (600, 2400, 9600)
+FINETUNE_LRS = (0.03, 0.06)  # where the full study chose (0.06 at the top of 0.03, 0.06): extends upwards
+SCRATCH_LRS = (1e-3, 3e-3)  # likewise 3e-3 at the top
+
+
+@dataclass(frozen=True)
+class Curve:
+    """What a curve runs: `study` holds the splits, configs, seeds, fine-tuning steps and the first lr
+    grids (its pretrain_steps is the largest budget); `budgets` the pretraining steps of each point."""
+
+    study: Settings
+    budgets: tuple[int, ...]
+    supervised: bool = True
+    extensions: int = 3
+
+    @property
+    def scratch_steps(self) -> list[int]:
+        """From-scratch step counts: the fine-tuning steps alone, and with each budget's pretraining."""
+        tune = self.study.finetune_steps
+        return sorted({tune, *(budget + tune for budget in self.budgets)})
+
+    def points(self) -> list[str]:
+        """Every point that chooses a learning rate: mpp/p<budget>, supervised/p<budget>, scratch/s<steps>."""
+        pretrained = ["mpp", "supervised"] if self.supervised else ["mpp"]
+        return [f"{arm}/p{b}" for b in self.budgets for arm in pretrained] + [
+            f"scratch/s{n}" for n in self.scratch_steps
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "study": self.study.as_dict()}
+
+
+def val_every(steps: int) -> int:
+    """The validation interval of a run: at least 25 validations, each at most every max(100, steps/25)
+    steps, and one at the last step."""
+    return max(d for d in range(1, min(steps, max(100, steps // 25)) + 1) if steps % d == 0)
+
+
+def pretrain_name(arm: str, budget: int, seed: int) -> str:
+    return f"{'pretrain' if arm == 'mpp' else 'supervised'}/p{budget}/seed{seed}"
+
+
+def fit_name(point: str, lr: float, seed: int) -> str:
+    return f"b{LABELS}/{point}/{lr_name(lr)}/seed{seed}"
+
+
+def next_lr(low: float, high: float) -> float:
+    """The next value of a geometric grid beyond `high`, three significant digits."""
+    return float(f"{high * high / low:.3g}")
+
+
+class CurvePlan:
+    """The jobs of a curve given what has finished (`ready`), and its choices (`all_choices`)."""
+
+    def __init__(self, curve: Curve) -> None:
+        self.c, self.s = curve, curve.study
+
+    def _seeded(self, seed: int, steps: int) -> tuple[str, ...]:
+        s = self.s
+        return (
+            "--seed_everything", str(seed), "--data.seed", str(seed), "--trainer.max_steps", str(steps),
+            "--data.val", s.splits.val, "--data.test", "null", "--trainer.val_check_interval", str(val_every(steps)),
+            *s.overrides,
+        )  # fmt: skip
+
+    def pretraining(self) -> list[Job]:
+        s, jobs = self.s, []
+        for budget in self.c.budgets:
+            for seed in s.seeds:
+                train = ("--data.train", s.splits.pool, *self._seeded(seed, budget))
+                jobs.append(Job(pretrain_name("mpp", budget, seed), "fit", s.configs["pretrain"], train))
+                if self.c.supervised:
+                    train = ("--data.train", s.splits.supervised[LABELS], *self._seeded(seed, budget))
+                    jobs.append(Job(pretrain_name("supervised", budget, seed), "fit", s.configs["scratch"], train))
+        return jobs
+
+    def fit(self, point: str, lr: float, seed: int) -> Job:
+        """A fine-tuning run (mpp/p<budget>, supervised/p<budget>) or a from-scratch run (scratch/s<steps>)."""
+        arm, size = point.split("/")
+        steps = int(size[1:]) if arm == "scratch" else self.s.finetune_steps
+        overrides = [
+            "--data.train", self.s.splits.labels[LABELS], *self._seeded(seed, steps),
+            "--model.init_args.optimizer.lr", f"{lr:g}",
+        ]  # fmt: skip
+        config = "scratch" if arm == "scratch" else "finetune"
+        if arm != "scratch":
+            overrides += ["--model.init_args.pretrained", f"{{run:{pretrain_name(arm, int(size[1:]), seed)}}}"]
+        return Job(fit_name(point, lr, seed), "fit", self.s.configs[config], tuple(overrides))
+
+    def first_grid(self, point: str) -> tuple[float, ...]:
+        return self.s.scratch_lrs if point.startswith("scratch") else self.s.finetune_lrs
+
+    def grid(self, point: str, results: dict[str, dict]) -> tuple[list[float], dict[str, Any] | None]:
+        """(the learning rates of a point's grid so far, its choice or None): the best final validation
+        accuracy with the first seed (ties to the smaller lr); a best at the grid's edge extends the grid
+        by the next geometric value on that side, up to `extensions` times, and is chosen after that."""
+        lrs, seed = list(self.first_grid(point)), self.s.seeds[0]
+        for extended in range(self.c.extensions + 1):
+            runs = [results.get(self.fit(point, lr, seed).name) for lr in lrs]
+            if any(run is None for run in runs):
+                return lrs, None
+            val = [run["val_accuracy"] if run["val_accuracy"] is not None else -1.0 for run in runs]  # type: ignore[index]
+            best = max(range(len(lrs)), key=lambda i: (val[i], -i))
+            edge = best == len(lrs) - 1 or best == 0
+            if not edge or extended == self.c.extensions:
+                by_lr = {lr_name(lr): v for lr, v in zip(lrs, val)}
+                return lrs, {"lr": lrs[best], "seed": seed, "val_accuracy": by_lr, "extended": extended, "edge": edge}
+            lrs = [*lrs, next_lr(lrs[-2], lrs[-1])] if best else [next_lr(lrs[1], lrs[0]), *lrs]
+        raise AssertionError("unreachable")
+
+    def finals(self, point: str, lr: float) -> list[Job]:
+        return [self.fit(point, lr, seed) for seed in self.s.seeds]
+
+    def plateau(self, results: dict[str, dict], choices: dict[str, Any]) -> dict[str, Any] | None:
+        """The from-scratch step count whose final runs are best on validation (mean over seeds; ties
+        to fewer steps), once every step count's finals have finished."""
+        means = {}
+        for steps in self.c.scratch_steps:
+            choice = choices.get(f"scratch/s{steps}")
+            runs = (
+                [results.get(job.name) for job in self.finals(f"scratch/s{steps}", choice["lr"])] if choice else [None]
+            )
+            if any(run is None for run in runs):
+                return None
+            means[steps] = sum(run["val_accuracy"] for run in runs) / len(runs)  # type: ignore[index]
+        best = max(means, key=lambda n: (means[n], -n))
+        return {"steps": best, "lr": choices[f"scratch/s{best}"]["lr"], "val_accuracy": {str(n): v for n, v in means.items()},
+                "edge": best == max(means)}  # fmt: skip
+
+    def all_choices(self, results: dict[str, dict]) -> dict[str, dict[str, Any] | None]:
+        choices = {point: self.grid(point, results)[1] for point in self.c.points()}
+        choices["scratch/plateau"] = self.plateau(results, choices)
+        return choices
+
+    def evaluations(self, point: str, lr: float) -> list[Job]:
+        """What reads the test set for a chosen point: each final run's test, and the frozen evaluation of
+        each pretrained encoder the point fine-tunes."""
+        labels, test = self.s.splits.labels[LABELS], self.s.splits.test
+        jobs = [Job(job.name + "/test", "test", job.config, job.overrides, job.name, reads_test=True)
+                for job in self.finals(point, lr)]  # fmt: skip
+        arm, size = point.split("/")
+        if arm != "scratch":
+            for seed in self.s.seeds:
+                source = pretrain_name(arm, int(size[1:]), seed)
+                jobs.append(
+                    Job(f"frozen/{source}", "frozen", checkpoint=source, frozen=(labels, test), reads_test=True)
+                )
+        return jobs
+
+    def jobs(self, results: dict[str, dict]) -> tuple[list[Job], dict[str, dict[str, Any] | None]]:
+        """Every job wanted so far, in the order to start them: the cheapest budgets first, the grids of
+        each point, then its finals and evaluations once it is chosen."""
+        choices = self.all_choices(results)
+        wanted = []
+        pretraining = {job.name: job for job in self.pretraining()}
+        order = sorted(
+            self.c.points(), key=lambda p: int(p.split("/")[1][1:]) + (0 if "/p" in p else -self.s.finetune_steps)
+        )
+        for point in order:
+            arm, size = point.split("/")
+            if arm != "scratch":
+                wanted += [pretraining[pretrain_name(arm, int(size[1:]), seed)] for seed in self.s.seeds]
+            lrs, choice = self.grid(point, results)
+            wanted += [self.fit(point, lr, self.s.seeds[0]) for lr in lrs]
+            if choice is not None:
+                wanted += self.finals(point, choice["lr"]) + self.evaluations(point, choice["lr"])
+        return list({job.name: job for job in wanted}.values()), choices
+
+    @staticmethod
+    def needs(job: Job) -> list[str]:
+        named = [arg[5:-1] for arg in job.overrides if arg.startswith("{run:")]
+        return named + ([job.checkpoint] if job.checkpoint else [])
+
+    def ready(self, results: dict[str, dict]) -> tuple[list[Job], bool]:
+        wanted, choices = self.jobs(results)
+        todo = [job for job in wanted if job.name not in results]
+        ready = [job for job in todo if all(name in results for name in self.needs(job))]
+        return ready, not todo and all(choice is not None for choice in choices.values())
+
+
+def curve_from(args: argparse.Namespace) -> Curve:
+    quick = args.quick
+    splits = sample_splits() if quick else full_splits()
+    budgets = tuple(sorted(args.budgets or ((4, 8) if quick else BUDGETS)))
+    study = Settings(
+        splits=splits,
+        configs=CONFIGS,
+        seeds=tuple(range(args.seeds or (2 if quick else 3))),
+        pretrain_steps=max(budgets),
+        finetune_steps=4 if quick else 500,
+        finetune_lrs=(0.01, 0.03) if quick else FINETUNE_LRS,
+        scratch_lrs=(1e-3, 3e-3) if quick else SCRATCH_LRS,
+        ablation=(),
+        ablation_seeds=0,
+        overrides=QUICK if quick else (),
+        checkpoint_every=2 if quick else 100,
+        frozen_max_train=1000 if quick else 10000,
+        selected_arms=("scratch", "matched", "mpp", "supervised"),
+    )
+    return Curve(study, budgets, supervised=args.supervised, extensions=1 if quick else 3)
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few steps on the embedded sample: the plumbing")
+    parser.add_argument(
+        "--budgets", type=int, nargs="+", help=f"pretraining steps (default {' '.join(map(str, BUDGETS))})"
+    )
+    parser.add_argument("--seeds", type=int, help="seeds per point (default 3; --quick 2)")
+    parser.add_argument("--supervised", action=argparse.BooleanOptionalAction, default=True,
+                        help="supervised pretraining at each budget (default: on)")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cores/jobs threads")
+    parser.add_argument("--out", help="folder of the runs and results (default runs/curve)")
+    parser.add_argument("--plan", action="store_true", help="say what the curve would run, and stop")
+    parser.add_argument(
+        "--report", action="store_true", help="write the table and picture of what has finished, and stop"
+    )
+    parser.add_argument("--results", help="also copy the table, JSON and picture to this folder (e.g. results/curve)")
+    return parser
+
+
+def outline(curve: Curve) -> list[str]:
+    """The runs a curve makes with its first grids (extensions add runs of a point's length)."""
+    plan, s = CurvePlan(curve), curve.study
+    jobs = plan.pretraining()
+    for point in curve.points():
+        grid = plan.first_grid(point)
+        jobs += [plan.fit(point, lr, s.seeds[0]) for lr in grid] + plan.finals(point, grid[0])[1:]
+    lines = [
+        f"pretraining budgets {list(curve.budgets)}; from-scratch steps {curve.scratch_steps}; seeds {list(s.seeds)}"
+    ]
+    for kind in ("pretrain", "supervised", f"b{LABELS}/mpp", f"b{LABELS}/supervised", f"b{LABELS}/scratch"):
+        steps = [
+            int(job.overrides[job.overrides.index("--trainer.max_steps") + 1])
+            for job in jobs
+            if job.name.startswith(kind + "/")
+        ]
+        if steps:
+            lines.append(f"{kind}: {len(steps)} runs, {sum(steps):,} steps")
+    return lines
+
+
+def extends(saved: dict[str, Any], curve: Curve) -> bool:
+    """Whether a curve saved with `saved` goes on as `curve`: the same, or with budgets added."""
+
+    def rest(values: dict[str, Any]) -> dict[str, Any]:
+        return {**values, "budgets": None, "study": {**values["study"], "pretrain_steps": None}}
+
+    mine = json.loads(json.dumps(curve.as_dict()))
+    return rest(saved) == rest(mine) and set(saved["budgets"]) <= set(mine["budgets"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from experiments.curve_report import report  # matplotlib only where a report is made
+
+    args = arguments().parse_args(argv)
+    out = Path(args.out or "runs/curve").absolute()
+    results = Path(args.results).absolute() if args.results else None
+    os.chdir(ROOT)
+    command = "python -m experiments.curve " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    curve = curve_from(args)
+    if args.plan:
+        print("\n".join(outline(curve)))
+        return 0
+    saved_path = out / "settings.json"
+    if saved_path.exists() and not args.report and not extends(json.loads(saved_path.read_text()), curve):
+        raise SystemExit(f"curve: {out} holds a curve with other settings; choose another --out")
+    if not args.report:
+        if not args.quick:
+            make_full_shards()
+        out.mkdir(parents=True, exist_ok=True)
+        saved_path.write_text(json.dumps(curve.as_dict(), indent=1))
+        start = time.time()
+        try:
+            run_study(curve.study, out, jobs=args.jobs, plan=CurvePlan(curve))
+        finally:
+            print(f"curve: {time.time() - start:.0f} s this invocation")
+    table = report(curve, CurvePlan(curve), out, [out] + ([results] if results else []), command.strip())
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""What the pretraining-budget curve measured (experiments.curve): its numbers as one JSON-able mapping,
+of the points finished so far (`summarise_curve`), the markdown table with the conclusions its intervals
+carry (`render`), and the picture (`plot`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from experiments.curve import LABELS, Curve, CurvePlan, pretrain_name  # noqa: E402
+from experiments.plan import Job, kind_of  # noqa: E402
+from experiments.report import interval, pct, test_reads, write_results  # noqa: E402
+from experiments.runner import read_results  # noqa: E402
+from experiments.stats import paired, summarise  # noqa: E402
+
+PAIRS = {"mpp - plateau": ("mpp", "plateau"), "mpp - matched": ("mpp", "matched"),
+         "supervised - mpp": ("supervised", "mpp")}  # fmt: skip
+NAMES = {"mpp": "MPP fine-tuned", "plateau": "from scratch, plateau", "matched": "from scratch, matched compute",
+         "supervised": "supervised pretrained, fine-tuned"}  # fmt: skip
+
+
+def _point(
+    curve: Curve, plan: CurvePlan, point: str, choice: dict[str, Any], results: dict[str, dict]
+) -> dict[str, Any] | None:
+    """A chosen point's numbers, or None until every final run has its test."""
+    seeds = curve.study.seeds
+    finals = dict(zip(seeds, plan.finals(point, choice["lr"])))
+    if any(job.name + "/test" not in results for job in finals.values()):
+        return None
+    tests: dict[int, float] = {seed: results[job.name + "/test"]["test_accuracy"] for seed, job in finals.items()}
+    entry: dict[str, Any] = {
+        **{key: choice[key] for key in ("lr", "val_accuracy", "extended", "edge")},
+        "validation": summarise([results[job.name]["val_accuracy"] for job in finals.values()]).as_dict(),
+        "test_accuracy": summarise(list(tests.values())).as_dict(),
+        "test_accuracy_by_seed": {str(seed): value for seed, value in tests.items()},
+        "wall_seconds": sum(results[job.name]["wall_seconds"] for job in finals.values()) / len(finals),
+    }
+    arm, size = point.split("/")
+    if arm != "scratch":
+        sources = [pretrain_name(arm, int(size[1:]), seed) for seed in seeds]
+        frozen = [results.get(f"frozen/{source}", {}).get("frozen") for source in sources]
+        if any(scores is None for scores in frozen):
+            return None
+        entry["frozen"] = {key: summarise([f[name] for f in frozen]).as_dict()  # type: ignore[index]
+                           for key, name in (("k-NN", "knn"), ("linear probe", "linear"))}  # fmt: skip
+        losses = [results[source]["val_loss"] for source in sources if results[source].get("val_loss") is not None]
+        entry["pretrain_val_loss"] = summarise(losses).as_dict() if len(losses) == len(sources) else None
+        entry["pretrain_wall_seconds"] = sum(results[source]["wall_seconds"] for source in sources) / len(sources)
+    return entry
+
+
+def audit(plan: CurvePlan, choices: dict[str, Any], reads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the test set was read only by evaluations of chosen points, each once, after its point's choice."""
+    owner = {job.name: point for point, choice in choices.items() if choice and point != "scratch/plateau"
+             for job in plan.evaluations(point, choice["lr"])}  # fmt: skip
+    counts: dict[str, int] = {}
+    problems = []
+    for read in reads:
+        counts[read["job"]] = counts.get(read["job"], 0) + 1
+        point = owner.get(read["job"])
+        if point is None:
+            problems.append(f"{read['job']} read the test set but is no final evaluation")
+        elif read["time"] < choices[point]["time"]:
+            problems.append(f"{read['job']} read the test set before its point's choice")
+    problems += [f"{name} read the test set {n} times" for name, n in counts.items() if n > 1]
+    return {"reads": len(reads), "evaluations": len(owner), "problems": problems}
+
+
+def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
+    results = read_results(out)
+    path = out / "choices.json"
+    choices = json.loads(path.read_text()) if path.exists() else {}
+    points = {
+        point: _point(curve, plan, point, choices[point], results) for point in curve.points() if choices.get(point)
+    }
+    plateau = choices.get("scratch/plateau")
+    tune = curve.study.finetune_steps
+    rows: dict[str, dict[str, Any]] = {}
+    for budget in curve.budgets:
+        arms = {"mpp": points.get(f"mpp/p{budget}"), "supervised": points.get(f"supervised/p{budget}"),
+                "matched": points.get(f"scratch/s{budget + tune}"),
+                "plateau": points.get(f"scratch/s{plateau['steps']}") if plateau else None}  # fmt: skip
+        by_seed = {
+            arm: {int(s): v for s, v in entry["test_accuracy_by_seed"].items()} for arm, entry in arms.items() if entry
+        }
+        rows[str(budget)] = {
+            "arms": {arm: entry["test_accuracy"] for arm, entry in arms.items() if entry},
+            "differences": {
+                key: paired(by_seed[a], by_seed[b]).as_dict()
+                for key, (a, b) in PAIRS.items()
+                if a in by_seed and b in by_seed
+            },  # fmt: skip
+        }
+    machines: dict[str, int] = {}
+    wall: dict[str, float] = {}
+    for result in results.values():
+        for entry in result.get("machines", []):
+            key = f"{entry['cpu']} ({entry['precision']}, {entry['threads']} threads, torch {entry['torch']})"
+            machines[key] = machines.get(key, 0) + 1
+        kind = kind_of(Job(result["name"], result["kind"]))
+        kind = "from scratch" if "/scratch/" in result["name"] and kind == "fine-tuning" else kind
+        wall[kind] = wall.get(kind, 0.0) + result["wall_seconds"]
+    attempts = json.loads((out / "attempts.json").read_text()) if (out / "attempts.json").exists() else []
+    return {
+        "curve": curve.as_dict(),
+        "points": points,
+        "plateau": plateau,
+        "rows": rows,
+        "conclusions": conclusions(curve, rows),
+        "loss_predicts": loss_correlation(curve, points),
+        "machines": machines,
+        "test_set": audit(plan, choices, test_reads(out)),
+        "wall_seconds": {
+            "elapsed": sum((a["end"] or a["start"]) - a["start"] for a in attempts),
+            "attempts": len(attempts),
+            "jobs_by_kind": wall,
+        },  # fmt: skip
+    }
+
+
+def conclusions(curve: Curve, rows: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Per comparison: the first budget whose 95% interval is clear of zero, or how far it is not."""
+    found = {}
+    for key, (a, b) in PAIRS.items():
+        measured = [int(budget) for budget, row in rows.items() if key in row["differences"]]
+        clear = [
+            int(b_)
+            for b_, row in rows.items()
+            if key in row["differences"] and (row["differences"][key]["low"] or 0) > 0
+        ]
+        below = [
+            int(b_)
+            for b_, row in rows.items()
+            if key in row["differences"] and (row["differences"][key]["high"] or 0) < 0
+        ]
+        name = f"{NAMES[a]} − {NAMES[b]}"
+        if not measured:
+            found[key] = f"{name}: not measured yet"
+        elif clear:
+            found[key] = f"{name}: ahead with a 95% interval clear of zero from {min(clear):,} pretraining steps"
+        elif below:
+            found[key] = (
+                f"{name}: behind with an interval clear of zero at {', '.join(f'{b_:,}' for b_ in below)} pretraining steps"
+            )
+        else:
+            found[key] = f"{name}: no interval clear of zero up to {max(measured):,} pretraining steps"
+    return found
+
+
+def loss_correlation(curve: Curve, points: dict[str, Any]) -> dict[str, Any] | None:
+    """Pearson's r between an MPP pretraining run's final validation loss and the test top-1 of the run
+    that fine-tunes it, over every (budget, seed) measured."""
+    pairs = []
+    for budget in curve.budgets:
+        entry = points.get(f"mpp/p{budget}")
+        if entry and entry.get("pretrain_val_loss"):
+            pairs += list(zip(entry["pretrain_val_loss"]["values"], entry["test_accuracy"]["values"]))
+    if len(pairs) < 3:
+        return None
+    xs, ys = zip(*pairs)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in pairs)
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return {"n": len(pairs), "pearson_r": sxy / math.sqrt(sxx * syy) if sxx and syy else None}
+
+
+def cell(entry: dict[str, Any] | None) -> str:
+    return (
+        pct(entry)
+        + (f" [{100 * entry['low']:.1f}, {100 * entry['high']:.1f}]" if entry and entry["low"] is not None else "")
+        if entry
+        else "–"
+    )
+
+
+def render(record: dict[str, Any], command: str) -> str:
+    c, points, rows = record["curve"], record["points"], record["rows"]
+    seeds, tune = len(c["study"]["seeds"]), c["study"]["finetune_steps"]
+    plateau = record["plateau"]
+    lines = [
+        f"Made by `{command}`.",
+        "",
+        "Runs computed on: " + "; ".join(f"{k}: {n} runs" for k, n in record["machines"].items()) + ".",
+        "",
+    ]
+    lines += [
+        f"### Test top-1 at {LABELS:,} labels against pretraining steps (mean ± std [95% interval], {seeds} seeds)",
+        "",
+    ]
+    header = ["pretraining steps", NAMES["mpp"], NAMES["supervised"], f"{NAMES['matched']} (steps)", "MPP − plateau",
+              "MPP − matched", "supervised − MPP"]  # fmt: skip
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for budget, row in rows.items():
+        arms, diffs = row["arms"], row["differences"]
+        lines.append(
+            f"| {int(budget):,} | {cell(arms.get('mpp'))} | {cell(arms.get('supervised'))} | "
+            f"{cell(arms.get('matched'))} ({int(budget) + tune:,}) | "
+            + " | ".join(interval(diffs[key]) if key in diffs else "–" for key in PAIRS)
+            + " |"
+        )
+    lines += ["", "### From scratch, by steps (the plateau is the best on validation)", "",
+              "| steps | lr (validation top-1 per lr, first seed) | validation top-1 | test top-1 |", "|---|---|---|---|"]  # fmt: skip
+    for point, entry in points.items():
+        if point.startswith("scratch/") and entry:
+            steps = int(point.split("/s")[1])
+            mark = " (plateau)" if plateau and plateau["steps"] == steps else ""
+            lines.append(
+                f"| {steps:,}{mark} | {lrs(entry)} | {pct(entry['validation'])} | {cell(entry['test_accuracy'])} |"
+            )
+    lines += ["", "### Pretrained encoders: frozen on the test set, and the pretraining loss", "",
+              "| pretraining | steps | lr chosen (validation top-1 per lr) | k-NN | linear probe | pretraining validation loss |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for point, entry in points.items():
+        if entry and not point.startswith("scratch/"):
+            arm, size = point.split("/p")
+            loss = entry["pretrain_val_loss"]
+            shown = f"{loss['mean']:.4f} ± {loss['std']:.4f}" if loss else "–"
+            frozen = entry["frozen"]
+            lines.append(
+                f"| {arm} | {int(size):,} | {lrs(entry)} | {pct(frozen['k-NN'])} | {pct(frozen['linear probe'])} | {shown} |"
+            )
+    lines += ["", "### What the intervals carry", ""]
+    lines += [f"- {text}." for text in record["conclusions"].values()]
+    if plateau:
+        edge = ", the top of its grid: more steps might still help" if plateau["edge"] else ""
+        lines.append(f"- The from-scratch plateau: {plateau['steps']:,} steps{edge}.")
+    if record["loss_predicts"] and record["loss_predicts"]["pearson_r"] is not None:
+        r = record["loss_predicts"]
+        lines.append(
+            f"- MPP's pretraining validation loss against its fine-tuned test top-1: Pearson r = {r['pearson_r']:.2f} over {r['n']} runs."
+        )
+    audit, wall = record["test_set"], record["wall_seconds"]
+    problems = (
+        f"with problems: {'; '.join(audit['problems'])}" if audit["problems"] else "each after its point's choice"
+    )
+    lines += ["", f"Test set: read {audit['reads']} times by {audit['evaluations']} final evaluations, {problems}.",
+              f"Wall time: {wall['elapsed'] / 3600:.1f} h over {wall['attempts']} invocation(s) (run time by kind: "
+              + ", ".join(f"{k} {v / 3600:.1f} h" for k, v in wall["jobs_by_kind"].items()) + ")."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def lrs(entry: dict[str, Any]) -> str:
+    grid = ", ".join(f"{lr[2:]}: {100 * v:.1f}" for lr, v in entry["val_accuracy"].items())
+    return f"{entry['lr']:g} ({grid})" + (" at the edge" if entry["edge"] else "")
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Fine-tuned test top-1 against pretraining steps (log) with 95% intervals, the plateau as a band;
+    the frozen encoders; the pretraining loss against the fine-tuned accuracy."""
+    rows, points = record["rows"], record["points"]
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5), dpi=110)
+    for arm, marker in (("mpp", "o"), ("supervised", "s"), ("matched", "^")):
+        xs = [int(b) for b, row in rows.items() if arm in row["arms"]]
+        found = [row["arms"][arm] for row in rows.values() if arm in row["arms"]]
+        if xs:
+            means = [100 * f["mean"] for f in found]
+            errors = [100 * (f["high"] - f["mean"]) if f["high"] is not None else 0 for f in found]
+            left.errorbar(xs, means, yerr=errors, marker=marker, capsize=3, label=NAMES[arm])
+    plateau = next((row["arms"]["plateau"] for row in rows.values() if "plateau" in row["arms"]), None)
+    if plateau:
+        steps = record["plateau"]["steps"]
+        low, high = (plateau["low"], plateau["high"]) if plateau["low"] is not None else (plateau["mean"],) * 2
+        left.axhspan(
+            100 * low, 100 * high, color="grey", alpha=0.25, label=f"from scratch, plateau ({steps:,} steps), 95%"
+        )
+        left.axhline(100 * plateau["mean"], color="grey", lw=1)
+    left.set(xscale="log", xlabel="pretraining steps", ylabel=f"test top-1 at {LABELS:,} labels (%)")
+    left.set_title("fine-tuned, 95% interval over seeds", fontsize=10)
+    for arm, style in (("mpp", "-"), ("supervised", "--")):
+        for key, marker in (("linear probe", "o"), ("k-NN", "s")):
+            found = [
+                (int(p.split("/p")[1]), e["frozen"][key]) for p, e in points.items() if p.startswith(arm + "/") and e
+            ]
+            if found:
+                middle.errorbar([x for x, _ in found], [100 * f["mean"] for _, f in found],
+                                yerr=[100 * f["std"] for _, f in found], ls=style, marker=marker, capsize=3,
+                                label=f"{arm}, {key}")  # fmt: skip
+    middle.set(xscale="log", xlabel="pretraining steps", ylabel="frozen encoder, test top-1 (%)")
+    middle.set_title("frozen encoders (mean ± std)", fontsize=10)
+    for point, entry in points.items():
+        if point.startswith("mpp/") and entry and entry.get("pretrain_val_loss"):
+            right.scatter(entry["pretrain_val_loss"]["values"], [100 * v for v in entry["test_accuracy"]["values"]],
+                          label=f"{int(point.split('/p')[1]):,} steps")  # fmt: skip
+    right.set(xlabel="MPP pretraining validation loss", ylabel="fine-tuned test top-1 (%)")
+    right.set_title("is the loss a cheap predictor? (one dot per seed)", fontsize=10)
+    for axes in (left, middle, right):
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def report(curve: Curve, plan: CurvePlan, out: Path, folders: Sequence[Path], command: str) -> str:
+    """Summarise what has finished, write curve.json, curve.md and curve.png into each folder; returns the table."""
+    record = summarise_curve(curve, plan, out)
+    record["command"] = command
+    table = render(record, command)
+    write_results(folders, "curve", record, table)
+    for folder in folders:
+        plot(record, folder / "curve.png")
+    return table

@@ -1,0 +1,178 @@
+"""The pretraining-budget curve (experiments.curve): which runs it makes and in which order, how its
+learning-rate grids extend past their edge, how the from-scratch plateau and the matched-compute arm are
+read from one grid of step counts, and that only final evaluations read the test set, after their
+point's choice. Run end to end (--quick) by tests/test_readme.py, as docs/results.md writes it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, outline, val_every
+from experiments.curve_report import audit, conclusions, loss_correlation
+
+
+def full(**changes: object) -> Curve:
+    args = argparse.Namespace(quick=False, budgets=None, seeds=None, supervised=True)
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return curve_from(args)
+
+
+def finish(results: dict[str, dict], name: str, val: float | None = 0.5, **more: object) -> None:
+    results[name] = {"name": name, "kind": "fit", "val_accuracy": val, "wall_seconds": 1.0, **more}
+
+
+def test_the_default_curve_its_points_and_its_outline() -> None:
+    curve = full()
+    assert curve.budgets == (600, 2400, 9600) and curve.study.seeds == (0, 1, 2)
+    # The from-scratch step grid: the fine-tuning steps alone, and matched to each budget's pretraining.
+    assert curve.scratch_steps == [500, 1100, 2900, 10100]
+    assert "scratch/s1100" in curve.points() and "supervised/p9600" in curve.points()
+    assert "mpp/p600" in full(supervised=False).points() and "supervised/p600" not in full(supervised=False).points()
+    lines = outline(curve)
+    assert "pretrain: 9 runs, 37,800 steps" in lines and "b1000/scratch: 16 runs, 58,400 steps" in lines
+
+
+@pytest.mark.parametrize(("steps", "every"), [(500, 100), (600, 100), (1100, 100), (2900, 116), (9600, 384),
+                                              (10100, 404), (4, 4), (7, 7)])  # fmt: skip
+def test_every_run_validates_often_and_at_its_last_step(steps: int, every: int) -> None:
+    assert val_every(steps) == every and steps % every == 0
+
+
+def test_a_grid_extends_past_the_edge_its_best_is_at_until_the_best_is_inside() -> None:
+    plan, results = CurvePlan(full()), {}
+    point = "mpp/p600"
+    assert plan.grid(point, results) == ([0.03, 0.06], None)
+    finish(results, plan.fit(point, 0.03, 0).name, 0.70)
+    finish(results, plan.fit(point, 0.06, 0).name, 0.72)
+    lrs, choice = plan.grid(point, results)
+    assert lrs == [0.03, 0.06, 0.12] and choice is None  # the best at the top: one more, twice as large
+    finish(results, plan.fit(point, 0.12, 0).name, 0.71)
+    lrs, choice = plan.grid(point, results)
+    assert lrs == [0.03, 0.06, 0.12] and choice is not None
+    assert choice["lr"] == 0.06 and choice["extended"] == 1 and not choice["edge"]
+    # At the bottom it extends downwards; after `extensions` it stops, and says it stopped at the edge.
+    scratch = "scratch/s500"
+    for lr in (1e-3, 3e-3):
+        finish(results, plan.fit(scratch, lr, 0).name, 0.8 if lr == 1e-3 else 0.7)
+    for low in (3.33e-4, 1.11e-4, 3.7e-5):
+        assert plan.grid(scratch, results)[0][0] == low
+        finish(results, plan.fit(scratch, low, 0).name, 0.9)
+    lrs, choice = plan.grid(scratch, results)
+    assert lrs == [3.7e-5, 1.11e-4, 3.33e-4, 1e-3, 3e-3] and choice is not None
+    assert choice["lr"] == 3.7e-5 and choice["edge"] and choice["extended"] == 3  # ties go to the smaller lr
+    assert next_lr(0.03, 0.06) == 0.12 and next_lr(3e-3, 1e-3) == 0.000333
+
+
+def test_jobs_start_with_the_cheapest_points_and_no_fit_reads_the_test_set() -> None:
+    plan = CurvePlan(full())
+    ready, finished = plan.ready({})
+    assert not finished
+    names = [job.name for job in ready]
+    # Before anything ran: the 500-step from-scratch grid, then the 600-step pretraining, ...
+    assert names[:2] == ["b1000/scratch/s500/lr0.001/seed0", "b1000/scratch/s500/lr0.003/seed0"]
+    assert names[2:8] == [f"{kind}/p600/seed{s}" for kind in ("pretrain", "supervised") for s in (0, 1, 2)]
+    assert names[8:10] == ["b1000/scratch/s1100/lr0.001/seed0", "b1000/scratch/s1100/lr0.003/seed0"]
+    assert names[-1].startswith("b1000/scratch/s10100/")  # the longest runs last
+    assert not any(job.reads_test for job in ready)
+    for job in ready:
+        assert job.kind == "fit" and "--data.test" in job.overrides
+        assert job.overrides[job.overrides.index("--data.test") + 1] == "null"
+        assert job.overrides[job.overrides.index("--data.val") + 1].endswith("train-{000055..000059}.tar")
+    # A fine-tuning run waits for its pretraining run; it starts from that run's checkpoint.
+    tune = plan.fit("mpp/p2400", 0.03, 1)
+    assert plan.needs(tune) == ["pretrain/p2400/seed1"] and tune.name not in names
+    assert tune.overrides[tune.overrides.index("--trainer.max_steps") + 1] == "500"
+    supervised = next(job for job in plan.pretraining() if job.name == "supervised/p9600/seed2")
+    assert supervised.overrides[supervised.overrides.index("--data.train") + 1].endswith("train-{000001..000054}.tar")
+
+
+def choose_everything(plan: CurvePlan, results: dict[str, dict], val_by_steps: dict[int, float]) -> None:
+    """Finish every run a curve wants, the middle lr best, from-scratch validation by step count."""
+    for _ in range(50):
+        ready, finished = plan.ready(results)
+        if finished:
+            return
+        for job in ready:
+            if job.kind == "fit":
+                steps = int(job.overrides[job.overrides.index("--trainer.max_steps") + 1])
+                lr = (
+                    float(job.overrides[job.overrides.index("--model.init_args.optimizer.lr") + 1])
+                    if "/lr" in job.name
+                    else 0
+                )
+                middle = lr in (0.06, 3e-3)
+                finish(results, job.name, val_by_steps.get(steps, 0.5) + (0.01 if middle else 0), val_loss=1.0 / steps)
+            elif job.kind == "test":
+                results[job.name] = {"name": job.name, "kind": "test", "test_accuracy": 0.7, "wall_seconds": 1.0}
+            else:
+                results[job.name] = {"name": job.name, "kind": "frozen", "frozen": {"knn": 0.5, "linear": 0.6}}
+    raise AssertionError("the curve never finished")
+
+
+def test_the_plateau_is_the_step_count_best_on_validation_and_matched_compute_is_read_from_the_same_grid() -> None:
+    plan, results = CurvePlan(full(budgets=[600, 2400])), {}
+    choose_everything(plan, results, {500: 0.60, 1100: 0.70, 2900: 0.70})
+    choices = plan.all_choices(results)
+    plateau = choices["scratch/plateau"]
+    assert plateau is not None and plateau["steps"] == 1100 and not plateau["edge"]  # a tie goes to fewer steps
+    assert plateau["lr"] == 3e-3 and set(plateau["val_accuracy"]) == {"500", "1100", "2900"}
+    # Every point's finals have a test; the pretrained points' encoders a frozen evaluation each.
+    tests = [name for name in results if name.endswith("/test")]
+    assert len(tests) == 3 * len(plan.c.points()) and len([n for n in results if n.startswith("frozen/")]) == 3 * 4
+    # No extra runs for matched compute: a budget's matched arm is the from-scratch run of its length.
+    assert not any("matched" in name for name in results)
+    # With a step count added, the plateau may move; the runs made stay.
+    grown = CurvePlan(full(budgets=[600, 2400, 9600]))
+    assert grown.all_choices(results)["scratch/plateau"] is None
+    assert all(name in {j.name for j in grown.jobs(results)[0]} for name in results if "p9600" not in name)
+
+
+def test_the_audit_flags_reads_that_are_no_evaluation_are_repeated_or_come_before_their_choice() -> None:
+    plan, results = CurvePlan(full(budgets=[600])), {}
+    choose_everything(plan, results, {})
+    choices = {key: {**value, "time": 100.0} for key, value in plan.all_choices(results).items() if value}
+    evaluations = [
+        job.name for point in ("mpp/p600", "scratch/s500") for job in plan.evaluations(point, choices[point]["lr"])
+    ]
+    reads = [{"job": name, "time": 200.0} for name in evaluations]
+    assert audit(plan, choices, reads)["problems"] == []
+    late = audit(plan, choices, [*reads, {"job": "b1000/scratch/s500/lr0.001/seed0", "time": 300.0},
+                                 {"job": evaluations[0], "time": 50.0}])  # fmt: skip
+    assert late["problems"] == [
+        "b1000/scratch/s500/lr0.001/seed0 read the test set but is no final evaluation",
+        f"{evaluations[0]} read the test set before its point's choice",
+        f"{evaluations[0]} read the test set 2 times",
+    ]
+
+
+def test_conclusions_say_no_more_than_the_intervals() -> None:
+    def diff(low: float, high: float) -> dict[str, float]:
+        return {"mean": (low + high) / 2, "low": low, "high": high}
+
+    rows = {
+        "600": {"differences": {"mpp - plateau": diff(-0.02, 0.01), "mpp - matched": diff(-0.05, -0.01)}},
+        "2400": {"differences": {"mpp - plateau": diff(0.005, 0.03), "mpp - matched": diff(-0.02, 0.01)}},
+    }
+    found = conclusions(full(budgets=[600, 2400]), rows)
+    assert found["mpp - plateau"].endswith("ahead with a 95% interval clear of zero from 2,400 pretraining steps")
+    assert found["mpp - matched"].endswith("behind with an interval clear of zero at 600 pretraining steps")
+    assert found["supervised - mpp"].endswith("not measured yet")
+    rows["2400"]["differences"]["mpp - plateau"] = diff(-0.01, 0.03)
+    assert conclusions(full(budgets=[600, 2400]), rows)["mpp - plateau"].endswith(
+        "no interval clear of zero up to 2,400 pretraining steps"
+    )
+    points = {
+        "mpp/p600": {"pretrain_val_loss": {"values": [1.0, 0.9, 0.8]}, "test_accuracy": {"values": [0.6, 0.7, 0.8]}}
+    }
+    assert loss_correlation(full(budgets=[600]), points) == {"n": 3, "pearson_r": pytest.approx(-1.0)}
+
+
+def test_a_curve_goes_on_with_budgets_added_but_not_with_other_settings(tmp_path: Path) -> None:
+    saved = json.loads(json.dumps(full(budgets=[600, 2400]).as_dict()))
+    assert extends(saved, full(budgets=[600, 2400])) and extends(saved, full())
+    assert not extends(saved, full(budgets=[600])) and not extends(saved, full(seeds=5))
