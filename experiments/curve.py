@@ -25,6 +25,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 from experiments.plan import Job, lr_name
 from experiments.runner import run_study
 from experiments.settings import Settings
+from experiments.stats import paired
 from experiments.study import CONFIGS, QUICK, ROOT, full_splits, make_full_shards, sample_splits
 
 LABELS = 1000  # the label budget of every fine-tuning and from-scratch run
@@ -49,6 +51,12 @@ class Curve:
     budgets: tuple[int, ...]
     supervised: bool = True
     extensions: int = 3
+    more_seeds: int = 2  # seeds added to both points of a paired difference whose interval holds zero
+
+    @property
+    def extra_seeds(self) -> tuple[int, ...]:
+        first = len(self.study.seeds)
+        return tuple(range(first, first + self.more_seeds))
 
     @property
     def scratch_steps(self) -> list[int]:
@@ -100,16 +108,17 @@ class CurvePlan:
             *s.overrides,
         )  # fmt: skip
 
+    def pretrain(self, arm: str, budget: int, seed: int) -> Job:
+        """MPP pretraining on the unlabelled pool, or supervised pretraining on the labelled images the
+        fine-tuning set does not hold (the from-scratch config)."""
+        s = self.s
+        shards, config = (s.splits.pool, "pretrain") if arm == "mpp" else (s.splits.supervised[LABELS], "scratch")
+        train = ("--data.train", shards, *self._seeded(seed, budget))
+        return Job(pretrain_name(arm, budget, seed), "fit", s.configs[config], train)
+
     def pretraining(self) -> list[Job]:
-        s, jobs = self.s, []
-        for budget in self.c.budgets:
-            for seed in s.seeds:
-                train = ("--data.train", s.splits.pool, *self._seeded(seed, budget))
-                jobs.append(Job(pretrain_name("mpp", budget, seed), "fit", s.configs["pretrain"], train))
-                if self.c.supervised:
-                    train = ("--data.train", s.splits.supervised[LABELS], *self._seeded(seed, budget))
-                    jobs.append(Job(pretrain_name("supervised", budget, seed), "fit", s.configs["scratch"], train))
-        return jobs
+        arms = ("mpp", "supervised") if self.c.supervised else ("mpp",)
+        return [self.pretrain(arm, budget, seed) for budget in self.c.budgets for seed in self.s.seeds for arm in arms]
 
     def fit(self, point: str, lr: float, seed: int) -> Job:
         """A fine-tuning run (mpp/p<budget>, supervised/p<budget>) or a from-scratch run (scratch/s<steps>)."""
@@ -145,8 +154,45 @@ class CurvePlan:
             lrs = [*lrs, next_lr(lrs[-2], lrs[-1])] if best else [next_lr(lrs[1], lrs[0]), *lrs]
         raise AssertionError("unreachable")
 
-    def finals(self, point: str, lr: float) -> list[Job]:
-        return [self.fit(point, lr, seed) for seed in self.s.seeds]
+    def finals(self, point: str, lr: float, seeds: Sequence[int] | None = None) -> list[Job]:
+        return [self.fit(point, lr, seed) for seed in (self.s.seeds if seeds is None else seeds)]
+
+    def pairs(self, choices: dict[str, Any]) -> list[tuple[str, str, str]]:
+        """(budget, first point, second point) of every paired difference the curve reports."""
+        plateau, tune, found = choices.get("scratch/plateau"), self.s.finetune_steps, []
+        for budget in self.c.budgets:
+            mpp = f"mpp/p{budget}"
+            if plateau:
+                found.append((str(budget), mpp, f"scratch/s{plateau['steps']}"))
+            found.append((str(budget), mpp, f"scratch/s{budget + tune}"))
+            if self.c.supervised:
+                found.append((str(budget), f"supervised/p{budget}", mpp))
+        return found
+
+    def tests(
+        self, point: str, choices: dict[str, Any], results: dict[str, dict], seeds: Sequence[int]
+    ) -> dict[int, float] | None:
+        """{seed: test top-1} of a chosen point's final runs with `seeds`, or None until each has its test."""
+        choice = choices.get(point)
+        names = [job.name + "/test" for job in self.finals(point, choice["lr"], seeds)] if choice else []
+        if not names or any(name not in results for name in names):
+            return None
+        return {seed: results[name]["test_accuracy"] for seed, name in zip(seeds, names)}
+
+    def widened(self, choices: dict[str, Any], results: dict[str, dict]) -> set[str]:
+        """The points that get `more_seeds` seeds: both of every paired difference whose 95% interval over
+        the first seeds' test top-1 holds zero (decided on the first seeds only, so it does not move)."""
+        found = set()
+        for _, first, second in self.pairs(choices):
+            a, b = (self.tests(point, choices, results, self.s.seeds) for point in (first, second))
+            if a is not None and b is not None:
+                diff = paired(a, b)
+                if diff.low is not None and diff.high is not None and diff.low <= 0 <= diff.high:
+                    found |= {first, second}
+        return found
+
+    def seeds(self, point: str, widened: set[str]) -> tuple[int, ...]:
+        return self.s.seeds + (self.c.extra_seeds if point in widened else ())
 
     def plateau(self, results: dict[str, dict], choices: dict[str, Any]) -> dict[str, Any] | None:
         """The from-scratch step count whose final runs are best on validation (mean over seeds; ties
@@ -169,15 +215,16 @@ class CurvePlan:
         choices["scratch/plateau"] = self.plateau(results, choices)
         return choices
 
-    def evaluations(self, point: str, lr: float) -> list[Job]:
+    def evaluations(self, point: str, lr: float, seeds: Sequence[int] | None = None) -> list[Job]:
         """What reads the test set for a chosen point: each final run's test, and the frozen evaluation of
         each pretrained encoder the point fine-tunes."""
         labels, test = self.s.splits.labels[LABELS], self.s.splits.test
+        seeds = self.s.seeds if seeds is None else seeds
         jobs = [Job(job.name + "/test", "test", job.config, job.overrides, job.name, reads_test=True)
-                for job in self.finals(point, lr)]  # fmt: skip
+                for job in self.finals(point, lr, seeds)]  # fmt: skip
         arm, size = point.split("/")
         if arm != "scratch":
-            for seed in self.s.seeds:
+            for seed in seeds:
                 source = pretrain_name(arm, int(size[1:]), seed)
                 jobs.append(
                     Job(f"frozen/{source}", "frozen", checkpoint=source, frozen=(labels, test), reads_test=True)
@@ -188,19 +235,20 @@ class CurvePlan:
         """Every job wanted so far, in the order to start them: the cheapest budgets first, the grids of
         each point, then its finals and evaluations once it is chosen."""
         choices = self.all_choices(results)
+        widened = self.widened(choices, results)
         wanted = []
-        pretraining = {job.name: job for job in self.pretraining()}
         order = sorted(
             self.c.points(), key=lambda p: int(p.split("/")[1][1:]) + (0 if "/p" in p else -self.s.finetune_steps)
         )
         for point in order:
             arm, size = point.split("/")
+            seeds = self.seeds(point, widened)
             if arm != "scratch":
-                wanted += [pretraining[pretrain_name(arm, int(size[1:]), seed)] for seed in self.s.seeds]
+                wanted += [self.pretrain(arm, int(size[1:]), seed) for seed in seeds]
             lrs, choice = self.grid(point, results)
             wanted += [self.fit(point, lr, self.s.seeds[0]) for lr in lrs]
             if choice is not None:
-                wanted += self.finals(point, choice["lr"]) + self.evaluations(point, choice["lr"])
+                wanted += self.finals(point, choice["lr"], seeds) + self.evaluations(point, choice["lr"], seeds)
         return list({job.name: job for job in wanted}.values()), choices
 
     @staticmethod
@@ -234,7 +282,7 @@ def curve_from(args: argparse.Namespace) -> Curve:
         frozen_max_train=1000 if quick else 10000,
         selected_arms=("scratch", "matched", "mpp", "supervised"),
     )
-    return Curve(study, budgets, supervised=args.supervised, extensions=1 if quick else 3)
+    return Curve(study, budgets, supervised=args.supervised, extensions=1 if quick else 3, more_seeds=1 if quick else 2)
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -281,7 +329,8 @@ def extends(saved: dict[str, Any], curve: Curve) -> bool:
     """Whether a curve saved with `saved` goes on as `curve`: the same, or with budgets added."""
 
     def rest(values: dict[str, Any]) -> dict[str, Any]:
-        return {**values, "budgets": None, "study": {**values["study"], "pretrain_steps": None}}
+        defaults = {"more_seeds": 2}  # settings a curve saved before they existed had these values
+        return {**defaults, **values, "budgets": None, "study": {**values["study"], "pretrain_steps": None}}
 
     mine = json.loads(json.dumps(curve.as_dict()))
     return rest(saved) == rest(mine) and set(saved["budgets"]) <= set(mine["budgets"])
@@ -294,15 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or "runs/curve").absolute()
     results = Path(args.results).absolute() if args.results else None
     os.chdir(ROOT)
-    command = "python -m experiments.curve " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
-    )
+    given = sys.argv[1:] if argv is None else argv
+    command = "python -m experiments.curve " + " ".join(shlex.quote(a) for a in given if a != "--report")
     curve = curve_from(args)
     if args.plan:
         print("\n".join(outline(curve)))
         return 0
     saved_path = out / "settings.json"
-    if saved_path.exists() and not args.report and not extends(json.loads(saved_path.read_text()), curve):
+    if args.report and not saved_path.exists():
+        raise SystemExit(f"curve: {out} holds no curve (no settings.json); run it first")
+    if saved_path.exists() and not extends(json.loads(saved_path.read_text()), curve):
         raise SystemExit(f"curve: {out} holds a curve with other settings; choose another --out")
     if not args.report:
         if not args.quick:

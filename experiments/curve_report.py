@@ -28,11 +28,10 @@ NAMES = {"mpp": "MPP fine-tuned", "plateau": "from scratch, plateau", "matched":
 
 
 def _point(
-    curve: Curve, plan: CurvePlan, point: str, choice: dict[str, Any], results: dict[str, dict]
+    plan: CurvePlan, point: str, choice: dict[str, Any], results: dict[str, dict], seeds: tuple[int, ...]
 ) -> dict[str, Any] | None:
-    """A chosen point's numbers, or None until every final run has its test."""
-    seeds = curve.study.seeds
-    finals = dict(zip(seeds, plan.finals(point, choice["lr"])))
+    """A chosen point's numbers over `seeds`, or None until every final run has its test."""
+    finals = dict(zip(seeds, plan.finals(point, choice["lr"], seeds)))
     if any(job.name + "/test" not in results for job in finals.values()):
         return None
     tests: dict[int, float] = {seed: results[job.name + "/test"]["test_accuracy"] for seed, job in finals.items()}
@@ -57,10 +56,13 @@ def _point(
     return entry
 
 
-def audit(plan: CurvePlan, choices: dict[str, Any], reads: list[dict[str, Any]]) -> dict[str, Any]:
-    """Whether the test set was read only by evaluations of chosen points, each once, after its point's choice."""
+def audit(
+    plan: CurvePlan, choices: dict[str, Any], reads: list[dict[str, Any]], widened: set[str] | None = None
+) -> dict[str, Any]:
+    """Whether the test set was read only by evaluations of chosen points (with the seeds `widened` adds),
+    each once, after its point's choice."""
     owner = {job.name: point for point, choice in choices.items() if choice and point != "scratch/plateau"
-             for job in plan.evaluations(point, choice["lr"])}  # fmt: skip
+             for job in plan.evaluations(point, choice["lr"], plan.seeds(point, widened or set()))}  # fmt: skip
     counts: dict[str, int] = {}
     problems = []
     for read in reads:
@@ -78,8 +80,12 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
     results = read_results(out)
     path = out / "choices.json"
     choices = json.loads(path.read_text()) if path.exists() else {}
-    points = {
-        point: _point(curve, plan, point, choices[point], results) for point in curve.points() if choices.get(point)
+    widened = plan.widened(choices, results)
+    points = {  # a widened point's first seeds until its added ones have their tests
+        point: _point(plan, point, choices[point], results, plan.seeds(point, widened))
+        or _point(plan, point, choices[point], results, curve.study.seeds)
+        for point in curve.points()
+        if choices.get(point)
     }
     plateau = choices.get("scratch/plateau")
     tune = curve.study.finetune_steps
@@ -117,7 +123,8 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
         "conclusions": conclusions(curve, rows),
         "loss_predicts": loss_correlation(curve, points),
         "machines": machines,
-        "test_set": audit(plan, choices, test_reads(out)),
+        "widened": sorted(widened),
+        "test_set": audit(plan, choices, test_reads(out), widened),
         "wall_seconds": {
             "elapsed": sum((a["end"] or a["start"]) - a["start"] for a in attempts),
             "attempts": len(attempts),
@@ -172,13 +179,12 @@ def loss_correlation(curve: Curve, points: dict[str, Any]) -> dict[str, Any] | N
     return {"n": len(pairs), "pearson_r": sxy / math.sqrt(sxx * syy) if sxx and syy else None}
 
 
-def cell(entry: dict[str, Any] | None) -> str:
-    return (
-        pct(entry)
-        + (f" [{100 * entry['low']:.1f}, {100 * entry['high']:.1f}]" if entry and entry["low"] is not None else "")
-        if entry
-        else "–"
-    )
+def cell(entry: dict[str, Any] | None, seeds: int) -> str:
+    """mean ± std [95% interval], and the number of seeds where it is not the curve's."""
+    if not entry:
+        return "–"
+    span = f" [{100 * entry['low']:.1f}, {100 * entry['high']:.1f}]" if entry["low"] is not None else ""
+    return pct(entry) + span + (f" ({entry['n']} seeds)" if entry["n"] != seeds else "")
 
 
 def render(record: dict[str, Any], command: str) -> str:
@@ -201,8 +207,8 @@ def render(record: dict[str, Any], command: str) -> str:
     for budget, row in rows.items():
         arms, diffs = row["arms"], row["differences"]
         lines.append(
-            f"| {int(budget):,} | {cell(arms.get('mpp'))} | {cell(arms.get('supervised'))} | "
-            f"{cell(arms.get('matched'))} ({int(budget) + tune:,}) | "
+            f"| {int(budget):,} | {cell(arms.get('mpp'), seeds)} | {cell(arms.get('supervised'), seeds)} | "
+            f"{cell(arms.get('matched'), seeds)} ({int(budget) + tune:,}) | "
             + " | ".join(interval(diffs[key]) if key in diffs else "–" for key in PAIRS)
             + " |"
         )
@@ -213,7 +219,7 @@ def render(record: dict[str, Any], command: str) -> str:
             steps = int(point.split("/s")[1])
             mark = " (plateau)" if plateau and plateau["steps"] == steps else ""
             lines.append(
-                f"| {steps:,}{mark} | {lrs(entry)} | {pct(entry['validation'])} | {cell(entry['test_accuracy'])} |"
+                f"| {steps:,}{mark} | {lrs(entry)} | {pct(entry['validation'])} | {cell(entry['test_accuracy'], seeds)} |"
             )
     lines += ["", "### Pretrained encoders: frozen on the test set, and the pretraining loss", "",
               "| pretraining | steps | lr chosen (validation top-1 per lr) | k-NN | linear probe | pretraining validation loss |",
@@ -229,6 +235,11 @@ def render(record: dict[str, Any], command: str) -> str:
             )
     lines += ["", "### What the intervals carry", ""]
     lines += [f"- {text}." for text in record["conclusions"].values()]
+    if record["widened"]:
+        lines.append(
+            f"- Given {c['more_seeds']} more seeds because a paired interval over the first {seeds} held zero (so"
+            f" the number of seeds depended on those test numbers): {', '.join(record['widened'])}."
+        )
     if plateau:
         edge = ", the top of its grid: more steps might still help" if plateau["edge"] else ""
         lines.append(f"- The from-scratch plateau: {plateau['steps']:,} steps{edge}.")

@@ -91,7 +91,15 @@ def test_jobs_start_with_the_cheapest_points_and_no_fit_reads_the_test_set() -> 
     assert supervised.overrides[supervised.overrides.index("--data.train") + 1].endswith("train-{000001..000054}.tar")
 
 
-def choose_everything(plan: CurvePlan, results: dict[str, dict], val_by_steps: dict[int, float]) -> None:
+def made_up_test_accuracy(name: str) -> float:
+    """A made-up test top-1: each arm its own, a little higher for each seed (so differences have std 0)."""
+    seed = int(name.split("/seed")[1].split("/")[0])
+    return {"mpp": 0.75, "supervised": 0.78, "scratch": 0.70}[name.split("/")[1]] + 0.001 * seed
+
+
+def choose_everything(
+    plan: CurvePlan, results: dict[str, dict], val_by_steps: dict[int, float], test=made_up_test_accuracy
+) -> None:
     """Finish every run a curve wants, the middle lr best, from-scratch validation by step count."""
     for _ in range(50):
         ready, finished = plan.ready(results)
@@ -108,7 +116,12 @@ def choose_everything(plan: CurvePlan, results: dict[str, dict], val_by_steps: d
                 middle = lr in (0.06, 3e-3)
                 finish(results, job.name, val_by_steps.get(steps, 0.5) + (0.01 if middle else 0), val_loss=1.0 / steps)
             elif job.kind == "test":
-                results[job.name] = {"name": job.name, "kind": "test", "test_accuracy": 0.7, "wall_seconds": 1.0}
+                results[job.name] = {
+                    "name": job.name,
+                    "kind": "test",
+                    "test_accuracy": test(job.name),
+                    "wall_seconds": 1.0,
+                }
             else:
                 results[job.name] = {"name": job.name, "kind": "frozen", "frozen": {"knn": 0.5, "linear": 0.6}}
     raise AssertionError("the curve never finished")
@@ -176,3 +189,27 @@ def test_a_curve_goes_on_with_budgets_added_but_not_with_other_settings(tmp_path
     saved = json.loads(json.dumps(full(budgets=[600, 2400]).as_dict()))
     assert extends(saved, full(budgets=[600, 2400])) and extends(saved, full())
     assert not extends(saved, full(budgets=[600])) and not extends(saved, full(seeds=5))
+
+
+def test_the_points_of_a_difference_whose_interval_holds_zero_get_two_more_seeds() -> None:
+    """MPP and supervised alike on every seed: their difference's interval holds zero, so both get seeds 3
+    and 4 (pretraining, fine-tuning, tests, frozen encoders); the from-scratch points, clear of MPP, do not."""
+    plan, results = CurvePlan(full(budgets=[600])), {}
+
+    def alike(name: str) -> float:
+        return made_up_test_accuracy(name.replace("/supervised/", "/mpp/"))
+
+    choose_everything(plan, results, {500: 0.6}, test=alike)
+    choices = {key: {**value, "time": 0.0} for key, value in plan.all_choices(results).items() if value}
+    assert plan.widened(choices, results) == {"mpp/p600", "supervised/p600"}
+    for seed in (3, 4):
+        assert f"pretrain/p600/seed{seed}" in results and f"supervised/p600/seed{seed}" in results
+        assert f"frozen/pretrain/p600/seed{seed}" in results
+        assert f"b1000/mpp/p600/lr0.06/seed{seed}/test" in results
+    assert not any("seed3" in name for name in results if "/scratch/" in name)
+    reads = [{"job": name, "time": 1.0} for name in results if name.endswith("/test") or name.startswith("frozen/")]
+    assert audit(plan, choices, reads, plan.widened(choices, results))["problems"] == []
+    assert (
+        "frozen/pretrain/p600/seed4 read the test set but is no final evaluation"
+        in audit(plan, choices, reads)["problems"]
+    )
