@@ -73,7 +73,8 @@ def audit(
         elif read["time"] < choices[point]["time"]:
             problems.append(f"{read['job']} read the test set before its point's choice")
     problems += [f"{name} read the test set {n} times" for name, n in counts.items() if n > 1]
-    return {"reads": len(reads), "evaluations": len(owner), "problems": problems}
+    done = len({read["job"] for read in reads} & set(owner))
+    return {"reads": len(reads), "evaluations": len(owner), "evaluations_done": done, "problems": problems}
 
 
 def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
@@ -164,13 +165,14 @@ def conclusions(curve: Curve, rows: dict[str, dict[str, Any]]) -> dict[str, str]
 
 def loss_correlation(curve: Curve, points: dict[str, Any]) -> dict[str, Any] | None:
     """Pearson's r between an MPP pretraining run's final validation loss and the test top-1 of the run
-    that fine-tunes it, over every (budget, seed) measured."""
-    pairs = []
+    that fine-tunes it, over every (budget, seed) measured; None before two budgets are."""
+    pairs, budgets = [], 0
     for budget in curve.budgets:
         entry = points.get(f"mpp/p{budget}")
         if entry and entry.get("pretrain_val_loss"):
+            budgets += 1
             pairs += list(zip(entry["pretrain_val_loss"]["values"], entry["test_accuracy"]["values"]))
-    if len(pairs) < 3:
+    if budgets < 2:
         return None
     xs, ys = zip(*pairs)
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -206,6 +208,8 @@ def render(record: dict[str, Any], command: str) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for budget, row in rows.items():
         arms, diffs = row["arms"], row["differences"]
+        if not arms:
+            continue
         lines.append(
             f"| {int(budget):,} | {cell(arms.get('mpp'), seeds)} | {cell(arms.get('supervised'), seeds)} | "
             f"{cell(arms.get('matched'), seeds)} ({int(budget) + tune:,}) | "
@@ -252,7 +256,8 @@ def render(record: dict[str, Any], command: str) -> str:
     problems = (
         f"with problems: {'; '.join(audit['problems'])}" if audit["problems"] else "each after its point's choice"
     )
-    lines += ["", f"Test set: read {audit['reads']} times by {audit['evaluations']} final evaluations, {problems}.",
+    done = f"{audit['evaluations_done']} of the {audit['evaluations']}"
+    lines += ["", f"Test set: read {audit['reads']} times, by {done} final evaluations the choices so far call for, {problems}.",
               f"Wall time: {wall['elapsed'] / 3600:.1f} h over {wall['attempts']} invocation(s) (run time by kind: "
               + ", ".join(f"{k} {v / 3600:.1f} h" for k, v in wall["jobs_by_kind"].items()) + ")."]  # fmt: skip
     return "\n".join(lines)

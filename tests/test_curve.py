@@ -179,10 +179,10 @@ def test_conclusions_say_no_more_than_the_intervals() -> None:
     assert conclusions(full(budgets=[600, 2400]), rows)["mpp - plateau"].endswith(
         "no interval clear of zero up to 2,400 pretraining steps"
     )
-    points = {
-        "mpp/p600": {"pretrain_val_loss": {"values": [1.0, 0.9, 0.8]}, "test_accuracy": {"values": [0.6, 0.7, 0.8]}}
-    }
-    assert loss_correlation(full(budgets=[600]), points) == {"n": 3, "pearson_r": pytest.approx(-1.0)}
+    points = {"mpp/p600": {"pretrain_val_loss": {"values": [1.0, 0.9]}, "test_accuracy": {"values": [0.6, 0.7]}}}
+    assert loss_correlation(full(budgets=[600, 2400]), points) is None  # one budget: seeds only
+    points["mpp/p2400"] = {"pretrain_val_loss": {"values": [0.8, 0.7]}, "test_accuracy": {"values": [0.8, 0.9]}}
+    assert loss_correlation(full(budgets=[600, 2400]), points) == {"n": 4, "pearson_r": pytest.approx(-1.0)}
 
 
 def test_a_curve_goes_on_with_budgets_added_but_not_with_other_settings(tmp_path: Path) -> None:
