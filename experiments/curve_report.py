@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from experiments.curve import LABELS, Curve, CurvePlan, pretrain_name  # noqa: E402
+from experiments.curve import LABELS, Curve, CurvePlan, outline, pretrain_name  # noqa: E402
 from experiments.plan import Job, kind_of  # noqa: E402
 from experiments.report import interval, pct, test_reads, write_results  # noqa: E402
 from experiments.runner import read_results  # noqa: E402
@@ -118,6 +118,7 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
     attempts = json.loads((out / "attempts.json").read_text()) if (out / "attempts.json").exists() else []
     return {
         "curve": curve.as_dict(),
+        "plan": outline(curve),
         "points": points,
         "plateau": plateau,
         "rows": rows,
@@ -194,7 +195,9 @@ def render(record: dict[str, Any], command: str) -> str:
     seeds, tune = len(c["study"]["seeds"]), c["study"]["finetune_steps"]
     plateau = record["plateau"]
     lines = [
-        f"Made by `{command}`.",
+        f"Made by `{command}`. The plan, with the first grids (extensions and added seeds add runs): "
+        + "; ".join(record["plan"])
+        + ".",
         "",
         "Runs computed on: " + "; ".join(f"{k}: {n} runs" for k, n in record["machines"].items()) + ".",
         "",
@@ -273,8 +276,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
     the frozen encoders; the pretraining loss against the fine-tuned accuracy."""
     rows, points = record["rows"], record["points"]
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5), dpi=110)
-    for arm, marker in (("mpp", "o"), ("supervised", "s"), ("matched", "^")):
-        xs = [int(b) for b, row in rows.items() if arm in row["arms"]]
+    for arm, marker, shift in (("mpp", "o", 1.0), ("supervised", "s", 1.05), ("matched", "^", 0.95)):
+        xs = [int(b) * shift for b, row in rows.items() if arm in row["arms"]]  # side by side on the log axis
         found = [row["arms"][arm] for row in rows.values() if arm in row["arms"]]
         if xs:
             means = [100 * f["mean"] for f in found]
