@@ -110,7 +110,8 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
     wall: dict[str, float] = {}
     for result in results.values():
         for entry in result.get("machines", []):
-            key = f"{entry['cpu']} ({entry['precision']}, {entry['threads']} threads, torch {entry['torch']})"
+            threads = f"{entry['threads']} thread" + ("s" if entry["threads"] != 1 else "")
+            key = f"{entry['cpu']} ({entry['precision']}, {threads}, torch {entry['torch']})"
             machines[key] = machines.get(key, 0) + 1
         kind = kind_of(Job(result["name"], result["kind"]))
         kind = "from scratch" if "/scratch/" in result["name"] and kind == "fine-tuning" else kind

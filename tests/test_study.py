@@ -35,7 +35,6 @@ def test_the_experiments_are_the_studies_and_their_harness() -> None:
 def test_every_study_says_how_to_use_it(name: str, monkeypatch, capsys) -> None:
     assert help_of(f"experiments.{name}", monkeypatch, capsys).startswith("usage:")
 
-
 @pytest.mark.parametrize(("df", "expected"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (30, 2.0423)])
 def test_t_quantiles_are_the_tables(df: int, expected: float) -> None:
     assert t_quantile(0.975, df) == pytest.approx(expected, abs=5e-4)
@@ -56,32 +55,13 @@ def test_summaries_and_paired_differences() -> None:
 
 
 def settings(**changes: object) -> Settings:
-    splits = Splits(
-        pool="pool.tar",
-        val="val.tar",
-        test="test.tar",
-        labels={100: "l100.tar", 900: "l900.tar"},
-        supervised={100: "sup.tar"},
-    )
-    configs = {
-        "pretrain": "p.yaml",
-        "finetune": "f.yaml",
-        "scratch": "s.yaml",
-        "hybrid_pretrain": "hp.yaml",
-        "hybrid_finetune": "hf.yaml",
-        "hybrid_scratch": "hs.yaml",
-    }
-    base = dict(
-        splits=splits,
-        configs=configs,
-        seeds=(0, 1, 2),
-        pretrain_steps=600,
-        finetune_steps=500,
-        finetune_lrs=(0.01, 0.03),
-        scratch_lrs=(1e-3, 3e-3),
-        ablation=("pixels",),
-        ablation_seeds=2,
-    )
+    splits = Splits(pool="pool.tar", val="val.tar", test="test.tar", labels={100: "l100.tar", 900: "l900.tar"},
+                    supervised={100: "sup.tar"})
+    configs = {"pretrain": "p.yaml", "finetune": "f.yaml", "scratch": "s.yaml", "hybrid_pretrain": "hp.yaml",
+               "hybrid_finetune": "hf.yaml", "hybrid_scratch": "hs.yaml"}
+    base = dict(splits=splits, configs=configs,
+                seeds=(0, 1, 2), pretrain_steps=600, finetune_steps=500, finetune_lrs=(0.01, 0.03),
+                scratch_lrs=(1e-3, 3e-3), ablation=("pixels",), ablation_seeds=2)
     return Settings(**{**base, **changes})  # type: ignore[arg-type]
 
 
@@ -99,16 +79,13 @@ def test_the_plan_holds_every_arm_and_no_fit_reads_the_test_set() -> None:
     names = [job.name for job in ready]
     assert not finished
     # Nothing that needs a pretrained encoder starts before it exists; the test set waits for every choice.
-    assert not [
-        n for n in names if "mpp/" in n.removeprefix("pretrain/") or "/supervised/" in n.removeprefix("supervised/")
-    ]
+    assert not [n for n in names if "mpp/" in n.removeprefix("pretrain/") or "/supervised/" in n.removeprefix("supervised/")]
     assert {"pretrain/hybrid/seed0", "pretrain/hybrid/seed2", "b100/hybrid_scratch/lr0.001/seed0"} <= set(names)
     assert not [job for job in ready if job.reads_test]
     assert names.index("pretrain/colour3/seed0") == 0
     assert {"pretrain/pixels/seed0", "pretrain/pixels/seed1"} <= set(names) and "pretrain/pixels/seed2" not in names
-    jobs = plan.pretraining() + [
-        plan.fit(b, a, lr, seed) for b in s.budgets for a in s.arms(b) for lr in s.lrs(a) for seed in s.seeds
-    ]
+    jobs = plan.pretraining() + [plan.fit(b, a, lr, seed) for b in s.budgets for a in s.arms(b) for lr in s.lrs(a)
+                                 for seed in s.seeds]
     for job in jobs:
         assert option(job, "--data.test") == "null" and option(job, "--data.val") == "val.tar"
         assert "test.tar" not in job.overrides and not job.reads_test
@@ -117,30 +94,19 @@ def test_the_plan_holds_every_arm_and_no_fit_reads_the_test_set() -> None:
     assert option(plan.fit(900, "mpp", 0.01, 2), "--model.init_args.pretrained") == "{run:pretrain/colour3/seed2}"
     assert option(plan.fit(100, "supervised", 0.01, 1), "--model.init_args.pretrained") == "{run:supervised/b100/seed1}"
     hybrid = plan.fit(900, "hybrid_mpp", 0.01, 1)
-    assert (
-        option(hybrid, "--model.init_args.pretrained") == "{run:pretrain/hybrid/seed1}" and hybrid.config == "hf.yaml"
-    )
+    assert option(hybrid, "--model.init_args.pretrained") == "{run:pretrain/hybrid/seed1}" and hybrid.config == "hf.yaml"
     assert plan.fit(100, "hybrid_scratch", 1e-3, 0).config == "hs.yaml" and s.lrs("hybrid_scratch") == s.scratch_lrs
     assert next(j for j in plan.pretraining() if j.name == "pretrain/hybrid/seed2").config == "hp.yaml"
-    assert (
-        option(plan.fit(100, "mpp", 0.03, 1), "--seed_everything")
-        == option(plan.fit(100, "mpp", 0.03, 1), "--data.seed")
-        == "1"
-    )
+    assert option(plan.fit(100, "mpp", 0.03, 1), "--seed_everything") == option(plan.fit(100, "mpp", 0.03, 1), "--data.seed") == "1"
 
 
 def test_choices_are_made_on_validation_with_the_first_seed_then_finals_and_tests_follow() -> None:
     s = settings()
     plan = Plan(s)
     results: dict[str, dict] = {job.name: {} for job in plan.pretraining()}
-    val = {
-        "scratch": {1e-3: 0.5, 3e-3: 0.6},
-        "matched": {1e-3: 0.7, 3e-3: 0.7},
-        "mpp": {0.01: 0.8, 0.03: 0.4},
-        "supervised": {0.01: 0.1, 0.03: 0.9},
-        "hybrid_scratch": {1e-3: 0.3, 3e-3: 0.2},
-        "hybrid_mpp": {0.01: 0.2, 0.03: 0.3},
-    }
+    val = {"scratch": {1e-3: 0.5, 3e-3: 0.6}, "matched": {1e-3: 0.7, 3e-3: 0.7}, "mpp": {0.01: 0.8, 0.03: 0.4},
+           "supervised": {0.01: 0.1, 0.03: 0.9}, "hybrid_scratch": {1e-3: 0.3, 3e-3: 0.2},
+           "hybrid_mpp": {0.01: 0.2, 0.03: 0.3}}
     for budget in s.budgets:
         for arm in s.arms(budget):
             assert plan.choose(budget, arm, results) is None
@@ -149,18 +115,9 @@ def test_choices_are_made_on_validation_with_the_first_seed_then_finals_and_test
                 results[job.name] = {"val_accuracy": val[arm][lr]}
     choices = plan.all_choices(results)
     assert {k: c["lr"] for k, c in choices.items()} == {
-        "b100/scratch": 3e-3,
-        "b100/matched": 1e-3,
-        "b100/mpp": 0.01,
-        "b100/supervised": 0.03,  # a tie: the first
-        "b100/hybrid_scratch": 1e-3,
-        "b100/hybrid_mpp": 0.03,
-        "b900/scratch": 3e-3,
-        "b900/matched": 1e-3,
-        "b900/mpp": 0.01,
-        "b900/hybrid_scratch": 1e-3,
-        "b900/hybrid_mpp": 0.03,
-    }
+        "b100/scratch": 3e-3, "b100/matched": 1e-3, "b100/mpp": 0.01, "b100/supervised": 0.03,  # a tie: the first
+        "b100/hybrid_scratch": 1e-3, "b100/hybrid_mpp": 0.03,
+        "b900/scratch": 3e-3, "b900/matched": 1e-3, "b900/mpp": 0.01, "b900/hybrid_scratch": 1e-3, "b900/hybrid_mpp": 0.03}
     ready, _ = plan.ready(results)
     finals = {job.name for job in ready if job.kind == "fit"}
     assert "b100/mpp/lr0.01/seed1" in finals and "b100/mpp/lr0.03/seed1" not in finals
@@ -188,13 +145,9 @@ def test_the_audit_flags_a_test_read_before_a_choice_or_by_a_run_that_is_no_eval
     clean = [{"job": name, "time": 200.0} for name in evaluations]
     assert audit_test_reads(plan, choices, clean)["problems"] == []
     early = [{**clean[0], "time": 50.0}, *clean[1:]]
-    assert audit_test_reads(plan, choices, early)["problems"] == [
-        f"{clean[0]['job']} read the test set before the last choice"
-    ]
+    assert audit_test_reads(plan, choices, early)["problems"] == [f"{clean[0]['job']} read the test set before the last choice"]
     grid = [*clean, {"job": "b100/mpp/lr0.03/seed0", "time": 300.0}]
-    assert audit_test_reads(plan, choices, grid)["problems"] == [
-        "b100/mpp/lr0.03/seed0 read the test set but is no final evaluation"
-    ]
+    assert audit_test_reads(plan, choices, grid)["problems"] == ["b100/mpp/lr0.03/seed0 read the test set but is no final evaluation"]
     assert audit_test_reads(plan, choices, clean[1:])["problems"] == [f"{clean[0]['job']} never read the test set"]
 
 
@@ -222,9 +175,7 @@ def test_arms_added_to_a_study_are_chosen_after_its_first_test_reads_and_audited
     assert len(audit_test_reads(plan, choices, old + new)["problems"]) == len(old)
     # Once the hybrid arms joined, no read may come before their choices.
     early = [*old, {**new[0], "time": added + 50.0}, *new[1:]]
-    assert audit_test_reads(plan, choices, early, joined)["problems"] == [
-        f"{new[0]['job']} read the test set before the last choice"
-    ]
+    assert audit_test_reads(plan, choices, early, joined)["problems"] == [f"{new[0]['job']} read the test set before the last choice"]
 
 
 def finished_study(folder: Path, s: Settings, names: list[str]) -> None:
@@ -235,13 +186,9 @@ def finished_study(folder: Path, s: Settings, names: list[str]) -> None:
         run = folder / "runs" / name
         (run / "checkpoints").mkdir(parents=True)
         (run / "checkpoints" / "last.ckpt").write_bytes(name.encode())
-        (run / "result.json").write_text(
-            json.dumps({"name": name, "kind": "fit", "val_accuracy": 0.5, "wall_seconds": 9})
-        )
+        (run / "result.json").write_text(json.dumps({"name": name, "kind": "fit", "val_accuracy": 0.5, "wall_seconds": 9}))
         (run / "test").mkdir()
-        (run / "test" / "result.json").write_text(
-            json.dumps({"name": name + "/test", "kind": "test", "wall_seconds": 1})
-        )
+        (run / "test" / "result.json").write_text(json.dumps({"name": name + "/test", "kind": "test", "wall_seconds": 1}))
 
 
 def test_a_study_brings_over_only_the_finished_runs_it_would_run_exactly_as_they_ran(tmp_path: Path) -> None:
@@ -259,9 +206,7 @@ def test_a_study_brings_over_only_the_finished_runs_it_would_run_exactly_as_they
     brought = reuse_runs(longer, out, source, "runs/study")
     assert sorted(brought) == sorted(job.name for job in Plan(base).fits() if "/scratch/" in job.name)
     run = out / "runs" / "b100/scratch/lr0.001/seed0"
-    assert (run / "checkpoints" / "last.ckpt").samefile(
-        source / "runs" / "b100/scratch/lr0.001/seed0/checkpoints/last.ckpt"
-    )
+    assert (run / "checkpoints" / "last.ckpt").samefile(source / "runs" / "b100/scratch/lr0.001/seed0/checkpoints/last.ckpt")
     assert not (run / "test").exists()  # the test set is read by this study's own evaluations only
     assert json.loads((run / "result.json").read_text())["reused_from"] == "runs/study"
     assert "reused_from" not in json.loads((source / "runs" / "b100/scratch/lr0.001/seed0/result.json").read_text())
@@ -271,13 +216,9 @@ def test_a_study_brings_over_only_the_finished_runs_it_would_run_exactly_as_they
     wider = settings(selected_arms=("scratch", "mpp"), ablation=(), finetune_lrs=(0.03, 0.1))
     brought = reuse_runs(wider, tmp_path / "wider", source)
     assert {n for n in brought if n.startswith(("pretrain/", "b100/mpp/"))} == {
-        *(f"pretrain/colour3/seed{seed}" for seed in (0, 1, 2)),
-        *(f"b100/mpp/lr0.03/seed{seed}" for seed in (0, 1, 2)),
-    }
+        *(f"pretrain/colour3/seed{seed}" for seed in (0, 1, 2)), *(f"b100/mpp/lr0.03/seed{seed}" for seed in (0, 1, 2))}
     # Another model shares nothing.
-    patch = settings(
-        selected_arms=("scratch", "mpp"), ablation=(), overrides=("--model.init_args.encoder.patch_size", "7")
-    )
+    patch = settings(selected_arms=("scratch", "mpp"), ablation=(), overrides=("--model.init_args.encoder.patch_size", "7"))
     assert reuse_runs(patch, tmp_path / "patch", source) == []
 
 
@@ -351,9 +292,8 @@ def gone(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
 def test_a_study_killed_outright_leaves_no_worker_running() -> None:
     """SIGKILL gives the study no chance to stop its workers: each sees its parent gone and stops its run."""
-    study = subprocess.Popen(
-        [sys.executable, "-c", STUDY_KILLED], cwd=ROOT, env=environment(), text=True, stdout=subprocess.PIPE
-    )
+    study = subprocess.Popen([sys.executable, "-c", STUDY_KILLED], cwd=ROOT, env=environment(), text=True,
+                             stdout=subprocess.PIPE)
     try:
         worker = int(study.stdout.readline())
         assert not gone(worker)
@@ -404,9 +344,7 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
             {"supervised - mpp"} if budget == "1000" else set())  # fmt: skip
         for diff in numbers["differences"].values():
             assert diff["n"] == 2 and diff["low"] <= diff["mean"] <= diff["high"]
-        assert set(numbers["frozen_pretrained"]) == {"mpp", "hybrid_mpp"} | (
-            {"supervised"} if budget == "1000" else set()
-        )
+        assert set(numbers["frozen_pretrained"]) == {"mpp", "hybrid_mpp"} | ({"supervised"} if budget == "1000" else set())
     assert set(study["ablation"]) == {v.name for v in VARIANTS}
     for variant in study["ablation"].values():
         assert variant["validation"]["10-shot"]["n"] == 2
@@ -421,9 +359,7 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
     first_choices = [c["time"] for key, c in choices.items() if "hybrid" not in key]
     hybrid_choices = [c["time"] for key, c in choices.items() if "hybrid" in key]
     assert min(r["time"] for r in reads[:first_reads]) >= max(first_choices) >= started
-    assert (
-        min(r["time"] for r in reads[first_reads:]) >= max(hybrid_choices) > max(r["time"] for r in reads[:first_reads])
-    )
+    assert min(r["time"] for r in reads[first_reads:]) >= max(hybrid_choices) > max(r["time"] for r in reads[:first_reads])
     assert all(r["job"].endswith("/test") or r["job"].startswith("frozen/") for r in reads)
     # ...and no fit was given the test set: each saved config validates on the held-out split.
     configs = [p for p in (out / "runs").glob("**/config.yaml") if p.parent.name != "test"]
