@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.plan import Job, lr_name
+from experiments.plan import Job, Plan, lr_name, seeded, steps_of
 from experiments.runner import run_study
 from experiments.settings import Settings
 from experiments.stats import paired
@@ -101,12 +101,7 @@ class CurvePlan:
         self.c, self.s = curve, curve.study
 
     def _seeded(self, seed: int, steps: int) -> tuple[str, ...]:
-        s = self.s
-        return (
-            "--seed_everything", str(seed), "--data.seed", str(seed), "--trainer.max_steps", str(steps),
-            "--data.val", s.splits.val, "--data.test", "null", "--trainer.val_check_interval", str(val_every(steps)),
-            *s.overrides,
-        )  # fmt: skip
+        return seeded(self.s, seed, steps, val_every(steps))
 
     def pretrain(self, arm: str, budget: int, seed: int) -> Job:
         """MPP pretraining on the unlabelled pool, or supervised pretraining on the labelled images the
@@ -251,10 +246,7 @@ class CurvePlan:
                 wanted += self.finals(point, choice["lr"], seeds) + self.evaluations(point, choice["lr"], seeds)
         return list({job.name: job for job in wanted}.values()), choices
 
-    @staticmethod
-    def needs(job: Job) -> list[str]:
-        named = [arg[5:-1] for arg in job.overrides if arg.startswith("{run:")]
-        return named + ([job.checkpoint] if job.checkpoint else [])
+    needs = staticmethod(Plan.needs)
 
     def ready(self, results: dict[str, dict]) -> tuple[list[Job], bool]:
         wanted, choices = self.jobs(results)
@@ -315,11 +307,7 @@ def outline(curve: Curve) -> list[str]:
         f"pretraining budgets {list(curve.budgets)}; from-scratch steps {curve.scratch_steps}; seeds {list(s.seeds)}"
     ]
     for kind in ("pretrain", "supervised", f"b{LABELS}/mpp", f"b{LABELS}/supervised", f"b{LABELS}/scratch"):
-        steps = [
-            int(job.overrides[job.overrides.index("--trainer.max_steps") + 1])
-            for job in jobs
-            if job.name.startswith(kind + "/")
-        ]
+        steps = [steps_of(job) for job in jobs if job.name.startswith(kind + "/")]
         if steps:
             lines.append(f"{kind}: {len(steps)} runs, {sum(steps):,} steps")
     return lines

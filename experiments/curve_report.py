@@ -5,7 +5,7 @@ carry (`render`), and the picture (`plot`)."""
 from __future__ import annotations
 
 import json
-import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -176,11 +176,12 @@ def loss_correlation(curve: Curve, points: dict[str, Any]) -> dict[str, Any] | N
             pairs += list(zip(entry["pretrain_val_loss"]["values"], entry["test_accuracy"]["values"]))
     if budgets < 2:
         return None
-    xs, ys = zip(*pairs)
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in pairs)
-    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
-    return {"n": len(pairs), "pearson_r": sxy / math.sqrt(sxx * syy) if sxx and syy else None}
+    losses, accuracies = zip(*pairs)
+    try:
+        r: float | None = statistics.correlation(losses, accuracies)
+    except statistics.StatisticsError:  # a constant: no correlation to speak of
+        r = None
+    return {"n": len(pairs), "pearson_r": r}
 
 
 def cell(entry: dict[str, Any] | None, seeds: int) -> str:

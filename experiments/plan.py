@@ -58,6 +58,16 @@ def hybrid_pretrain_name(seed: int) -> str:
     return f"pretrain/hybrid/seed{seed}"
 
 
+def seeded(s: Settings, seed: int, steps: int, val_every: int) -> tuple[str, ...]:
+    """A fit's overrides for its seed and length: validation on the held-out split every `val_every`
+    steps, no test set, and the study's overrides for every fit."""
+    return (
+        "--seed_everything", str(seed), "--data.seed", str(seed), "--trainer.max_steps", str(steps),
+        "--data.val", s.splits.val, "--data.test", "null", "--trainer.val_check_interval", str(val_every),
+        *s.overrides,
+    )  # fmt: skip
+
+
 class Plan:
     """Which jobs a study runs, given what has finished: `ready(results)` lists the jobs whose inputs
     exist, in the order to start them; choices are made as soon as a grid is complete."""
@@ -66,12 +76,7 @@ class Plan:
         self.s = settings
 
     def _seeded(self, seed: int, steps: int) -> tuple[str, ...]:
-        s = self.s
-        return (
-            "--seed_everything", str(seed), "--data.seed", str(seed), "--trainer.max_steps", str(steps),
-            "--data.val", s.splits.val, "--data.test", "null", "--trainer.val_check_interval", str(s.val_every),
-            *s.overrides,
-        )  # fmt: skip
+        return seeded(self.s, seed, steps, self.s.val_every)
 
     def pretraining(self) -> list[Job]:
         """MPP pretraining: the default objective with every seed, the ablation's with the first few;
