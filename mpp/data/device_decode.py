@@ -188,9 +188,41 @@ def _filter(sides: list[tuple[float, float, int, int]], out: int, device: torch.
 
 
 def _decode(encoded: list[Tensor], channels: int, device: torch.device) -> list[Tensor | str]:
-    """JPEG bytes -> uint8 (channels, h, w) images on `device`, or for each that fails, why."""
+    """JPEG bytes -> uint8 (channels, h, w) images on `device`, or for each that fails, why.
+
+    On a GPU the decoder runs on a stream of its own (_decoder_stream), whose outputs are then marked
+    as used by the caller's stream, which resizes them.
+    """
     if not encoded:
         return []
+    if device.type != "cuda":
+        return _decode_on(encoded, channels, device)
+    caller, own = torch.cuda.current_stream(device), _decoder_stream(device)
+    with torch.cuda.stream(own):
+        decoded = _decode_on(encoded, channels, device)
+    own.synchronize()  # nothing of this decode is still queued when the next one is handed memory
+    for image in decoded:
+        if isinstance(image, Tensor):
+            image.record_stream(caller)  # not recycled on `own` before the caller's kernels have read it
+    return decoded
+
+
+_decoder_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _decoder_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a GPU's JPEGs are decoded under. torchvision's decode_jpeg on CUDA (nvJPEG) writes on
+    a private stream that does not wait for the current one, into outputs the caching allocator hands
+    out on the current stream: on the training stream, memory that its queued kernels (the step before)
+    may still read, which then fail in ways unrelated to decoding (an index out of bounds in a compiled
+    step, seen on an H200). A stream with no other work hands out only memory that no kernel still reads."""
+    if device not in _decoder_streams:
+        _decoder_streams[device] = torch.cuda.Stream(device=device)
+    return _decoder_streams[device]
+
+
+def _decode_on(encoded: list[Tensor], channels: int, device: torch.device) -> list[Tensor | str]:
+    """_decode's work, on the current stream."""
     io = torchvision_io()
     mode = io.ImageReadMode.GRAY if channels == 1 else io.ImageReadMode.RGB
     try:

@@ -5,10 +5,13 @@ images, PNGs mixed in, past JPEGs that fail, in a real fit. The tests that decod
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -113,6 +116,51 @@ def test_decode_device_without_torchvision_is_a_config_error_naming_the_extra(
     with pytest.raises(ValueError, match="decode='gpu' is invalid; it must be \"cpu\" or \"device\""):
         make(shard, decode="gpu")
     make(shard)  # the default needs no torchvision
+
+
+def test_on_a_gpu_the_jpegs_are_decoded_on_a_stream_of_their_own_then_handed_to_the_caller_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchvision's CUDA decoder writes, on a private stream, into memory handed out on the current one,
+    which the training stream's queued kernels may still read: a device-side assert in a compiled step on an
+    H200. The decode runs under a stream with no other work, is waited for, and its outputs are then marked
+    as used by the caller's stream (CUDA faked: what is checked is the order of the calls)."""
+    calls: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name: str = "own", device: object = None) -> None:
+            self.name = name
+
+        def synchronize(self) -> None:
+            calls.append(("synchronize", self.name))
+
+    current = [Stream("caller")]
+
+    @contextlib.contextmanager
+    def under(stream: Stream) -> Iterator[None]:
+        current.append(stream)
+        yield
+        current.pop()
+
+    def decode_jpeg(data: list[torch.Tensor], mode: str, device: torch.device) -> list[torch.Tensor]:
+        calls.append(("decode", current[-1].name, len(data), mode, device.type))
+        return [torch.zeros(3, 2, 2, dtype=torch.uint8) for _ in data]
+
+    io = SimpleNamespace(decode_jpeg=decode_jpeg, ImageReadMode=SimpleNamespace(RGB="RGB", GRAY="GRAY"))
+    monkeypatch.setattr(device_decode, "torchvision_io", lambda: io)
+    monkeypatch.setattr(device_decode, "_decoder_streams", {})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", under)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: calls.append(("record", stream.name)))
+    jpegs = [torch.zeros(5, dtype=torch.uint8)] * 2
+    for _ in range(2):  # the second call takes the same stream
+        assert len(device_decode._decode(jpegs, 3, torch.device("cuda"))) == 2
+    once = [("decode", "own", 2, "RGB", "cuda"), ("synchronize", "own"), ("record", "caller"), ("record", "caller")]
+    assert calls == once + once and len(device_decode._decoder_streams) == 1 and current[-1].name == "caller"
+    calls.clear()
+    assert device_decode._decode(jpegs, 1, torch.device("cpu"))[0].shape == (3, 2, 2)  # the CPU: no stream at all
+    assert calls == [("decode", "caller", 2, "GRAY", "cpu")]
 
 
 # What follows decodes, with torchvision on the CPU.
