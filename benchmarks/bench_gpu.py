@@ -232,6 +232,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H200 SXM: 989)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the module eagerly")
     parser.add_argument(
+        "--no-device-decode", dest="device_decode", action="store_false", help="leave out the decode=device arm"
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="tiny model, few steps, compiled with the aot_eager backend: runs on a CPU in seconds",
@@ -276,12 +279,12 @@ def main() -> None:
         fits = fit_arms(model, run, **fit_options)
         arms[FIT_MEM] = fits["synthetic (in memory)"]
         arms[FIT_SHARDS] = fits["shards (ShardDataModule)"]
-        skipped = None
+        skipped = None if args.device_decode else "--no-device-decode"
         try:
             torchvision_io()
         except ConfigError as error:
             skipped = str(error)
-        else:
+        if skipped is None:
             device_fits = fit_arms(model, run, **fit_options, data={"decode": "device"})
             arms[FIT_DEVICE_DECODE] = device_fits["shards (ShardDataModule)"]
         results = alternate(arms, args.repeats)
