@@ -137,32 +137,47 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
 
 
 def conclusions(curve: Curve, rows: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Per comparison: the first budget whose 95% interval is clear of zero, or how far it is not."""
+    """Per comparison, what each budget's 95% interval says (ahead or behind clear of zero, or holding
+    zero) and which budgets are not measured yet: "from N on" only where every budget from N on is
+    measured and clear."""
     found = {}
     for key, (a, b) in PAIRS.items():
-        measured = [int(budget) for budget, row in rows.items() if key in row["differences"]]
-        clear = [
-            int(b_)
-            for b_, row in rows.items()
-            if key in row["differences"] and (row["differences"][key]["low"] or 0) > 0
-        ]
-        below = [
-            int(b_)
-            for b_, row in rows.items()
-            if key in row["differences"] and (row["differences"][key]["high"] or 0) < 0
-        ]
+        verdicts: dict[str, list[int]] = {"ahead": [], "behind": [], "holds zero": [], "not measured yet": []}
+        for budget in curve.budgets:
+            difference = rows.get(str(budget), {}).get("differences", {}).get(key)
+            if difference is None:
+                verdicts["not measured yet"].append(budget)
+            elif (difference["low"] or 0) > 0:
+                verdicts["ahead"].append(budget)
+            elif (difference["high"] or 0) < 0:
+                verdicts["behind"].append(budget)
+            else:
+                verdicts["holds zero"].append(budget)
         name = f"{NAMES[a]} − {NAMES[b]}"
-        if not measured:
+        if len(verdicts["not measured yet"]) == len(curve.budgets):
             found[key] = f"{name}: not measured yet"
-        elif clear:
-            found[key] = f"{name}: ahead with a 95% interval clear of zero from {min(clear):,} pretraining steps"
-        elif below:
-            found[key] = (
-                f"{name}: behind with an interval clear of zero at {', '.join(f'{b_:,}' for b_ in below)} pretraining steps"
-            )
+            continue
+        ahead = verdicts["ahead"]
+        if ahead and ahead == [budget for budget in curve.budgets if budget >= ahead[0]]:
+            verdicts["ahead"] = []
+            parts = [f"ahead with a 95% interval clear of zero from {ahead[0]:,} pretraining steps on"]
         else:
-            found[key] = f"{name}: no interval clear of zero up to {max(measured):,} pretraining steps"
+            parts = []
+        wording = {
+            "ahead": "ahead with a 95% interval clear of zero at",
+            "behind": "behind with a 95% interval clear of zero at",
+            "holds zero": "an interval that holds zero at",
+            "not measured yet": "not measured yet at",
+        }
+        parts += [f"{wording[kind]} {steps_list(budgets)}" for kind, budgets in verdicts.items() if budgets]
+        found[key] = f"{name}: " + "; ".join(parts)
     return found
+
+
+def steps_list(budgets: list[int]) -> str:
+    """[600, 2400] -> '600 and 2,400 pretraining steps'."""
+    named = [f"{budget:,}" for budget in budgets]
+    return (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]) + " pretraining steps"
 
 
 def loss_correlation(curve: Curve, points: dict[str, Any]) -> dict[str, Any] | None:

@@ -172,12 +172,27 @@ def test_conclusions_say_no_more_than_the_intervals() -> None:
         "2400": {"differences": {"mpp - plateau": diff(0.005, 0.03), "mpp - matched": diff(-0.02, 0.01)}},
     }
     found = conclusions(full(budgets=[600, 2400]), rows)
-    assert found["mpp - plateau"].endswith("ahead with a 95% interval clear of zero from 2,400 pretraining steps")
-    assert found["mpp - matched"].endswith("behind with an interval clear of zero at 600 pretraining steps")
+    assert found["mpp - plateau"].endswith(
+        "ahead with a 95% interval clear of zero from 2,400 pretraining steps on; an interval that holds zero at "
+        "600 pretraining steps"
+    )
+    assert found["mpp - matched"].endswith(
+        "behind with a 95% interval clear of zero at 600 pretraining steps; an interval that holds zero at 2,400 "
+        "pretraining steps"
+    )
     assert found["supervised - mpp"].endswith("not measured yet")
+    # "from N on" only where every budget from N on is measured and clear
+    assert conclusions(full(budgets=[2400, 9600]), {"2400": rows["2400"]})["mpp - plateau"].endswith(
+        "ahead with a 95% interval clear of zero at 2,400 pretraining steps; not measured yet at 9,600 pretraining steps"
+    )
+    rows["600"]["differences"]["mpp - plateau"] = diff(0.001, 0.02)
+    assert conclusions(full(budgets=[600, 2400]), rows)["mpp - plateau"].endswith(
+        "ahead with a 95% interval clear of zero from 600 pretraining steps on"
+    )
     rows["2400"]["differences"]["mpp - plateau"] = diff(-0.01, 0.03)
     assert conclusions(full(budgets=[600, 2400]), rows)["mpp - plateau"].endswith(
-        "no interval clear of zero up to 2,400 pretraining steps"
+        "ahead with a 95% interval clear of zero at 600 pretraining steps; an interval that holds zero at 2,400 "
+        "pretraining steps"
     )
     points = {"mpp/p600": {"pretrain_val_loss": {"values": [1.0, 0.9]}, "test_accuracy": {"values": [0.6, 0.7]}}}
     assert loss_correlation(full(budgets=[600, 2400]), points) is None  # one budget: seeds only
