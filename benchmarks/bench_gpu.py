@@ -280,10 +280,11 @@ def main() -> None:
         arms[FIT_MEM] = fits["synthetic (in memory)"]
         arms[FIT_SHARDS] = fits["shards (ShardDataModule)"]
         skipped = None if args.device_decode else "--no-device-decode"
-        try:
-            torchvision_io()
-        except ConfigError as error:
-            skipped = str(error)
+        if skipped is None:
+            try:
+                torchvision_io()
+            except ConfigError as error:
+                skipped = str(error)
         if skipped is None:
             device_fits = fit_arms(model, run, **fit_options, data={"decode": "device"})
             arms[FIT_DEVICE_DECODE] = device_fits["shards (ShardDataModule)"]

@@ -136,13 +136,22 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
     }
 
 
+# A budget's verdict on a difference, as the conclusions say it.
+VERDICTS = {
+    "ahead": "ahead with a 95% interval clear of zero at",
+    "behind": "behind with a 95% interval clear of zero at",
+    "holds zero": "an interval that holds zero at",
+    "not measured yet": "not measured yet at",
+}
+
+
 def conclusions(curve: Curve, rows: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Per comparison, what each budget's 95% interval says (ahead or behind clear of zero, or holding
     zero) and which budgets are not measured yet: "from N on" only where every budget from N on is
     measured and clear."""
     found = {}
     for key, (a, b) in PAIRS.items():
-        verdicts: dict[str, list[int]] = {"ahead": [], "behind": [], "holds zero": [], "not measured yet": []}
+        verdicts: dict[str, list[int]] = {kind: [] for kind in VERDICTS}
         for budget in curve.budgets:
             difference = rows.get(str(budget), {}).get("differences", {}).get(key)
             if difference is None:
@@ -163,13 +172,7 @@ def conclusions(curve: Curve, rows: dict[str, dict[str, Any]]) -> dict[str, str]
             parts = [f"ahead with a 95% interval clear of zero from {ahead[0]:,} pretraining steps on"]
         else:
             parts = []
-        wording = {
-            "ahead": "ahead with a 95% interval clear of zero at",
-            "behind": "behind with a 95% interval clear of zero at",
-            "holds zero": "an interval that holds zero at",
-            "not measured yet": "not measured yet at",
-        }
-        parts += [f"{wording[kind]} {steps_list(budgets)}" for kind, budgets in verdicts.items() if budgets]
+        parts += [f"{VERDICTS[kind]} {steps_list(budgets)}" for kind, budgets in verdicts.items() if budgets]
         found[key] = f"{name}: " + "; ".join(parts)
     return found
 
