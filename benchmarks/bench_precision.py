@@ -41,7 +41,8 @@ def mpp_step(run: dict, *, batch: int, device: torch.device, precision: str, com
     """One training step of the run config's MaskedPatchPretraining on a fixed random batch."""
     torch.manual_seed(0)
     model = MaskedPatchPretraining(**{**run["model"], "compile": compile}).to(device)
-    optimizer = configure_optimizer(model, OptimizerConfig(**run["model"]["optimizer"]), total_steps=10**6)["optimizer"]
+    # `batch` as the global batch: a config with a reference batch scales its lr by it, as a fit does.
+    optimizer = configure_optimizer(model, OptimizerConfig(**run["model"]["optimizer"]), 10**6, batch)["optimizer"]
     encoder = model.encoder_config
     height, width = pair(encoder.image_size)
     images = torch.randint(0, 256, (batch, encoder.channels, height, width), dtype=torch.uint8, device=device)

@@ -16,7 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from workspace import ROOT, help_of
 
 from benchmarks.bench_gpu import training_flops
-from benchmarks.kit import SHARD_TARGET
+from benchmarks.bench_precision import mpp_step
+from benchmarks.kit import SETTINGS, SHARD_TARGET, load_run_config
 from mpp import MaskedPatchPretraining, OptimizerConfig, ViTConfig
 
 RATIO = r"(\d+\.\d+)x"
@@ -100,6 +101,20 @@ def test_bench_gpu_smoke_runs_every_arm_on_the_cpu(runs: dict[str, subprocess.Po
     assert "SMOKE" in out and re.search(r"^date +\d{4}-\d\d-\d\d", out, re.MULTILINE), out
     target = f"target >= {SHARD_TARGET:.2f}x"
     assert re.search(rf"^ratio shards / in-memory fit: {RATIO} .*{target}", out, re.MULTILINE), out
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_bench_precision_builds_every_settings_step(setting: str) -> None:
+    """Every --setting's step is built as a fit builds it (a config with a reference batch scales its lr
+    by the benchmark's batch, here 1) and takes a step; float32 only, since the CPU may emulate bf16."""
+    run = load_run_config(setting)
+    step = mpp_step(run, batch=1, device=torch.device("cpu"), precision="32-true", compile=False)
+    model, optimizer = step.args[:2]
+    config = OptimizerConfig(**run["model"]["optimizer"])
+    assert optimizer.defaults["lr"] == pytest.approx(config.lr * config.lr_factor(1))
+    step()
+    assert all(p.grad is not None for p in model.encoder.parameters())
+    assert {int(state["step"]) for state in optimizer.state.values()} == {1}
 
 
 def test_flop_count_matches_torch_flop_counter() -> None:
