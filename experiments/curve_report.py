@@ -296,13 +296,14 @@ def plot(record: dict[str, Any], path: Path) -> None:
     the frozen encoders; the pretraining loss against the fine-tuned accuracy."""
     rows, points = record["rows"], record["points"]
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5), dpi=110)
+    colours = {"mpp": "C0", "supervised": "C1", "matched": "C2"}  # an arm's colour in every panel
     for arm, marker, shift in (("mpp", "o", 1.0), ("supervised", "s", 1.05), ("matched", "^", 0.95)):
         xs = [int(b) * shift for b, row in rows.items() if arm in row["arms"]]  # side by side on the log axis
         found = [row["arms"][arm] for row in rows.values() if arm in row["arms"]]
         if xs:
             means = [100 * f["mean"] for f in found]
             errors = [100 * (f["high"] - f["mean"]) if f["high"] is not None else 0 for f in found]
-            left.errorbar(xs, means, yerr=errors, marker=marker, capsize=3, label=NAMES[arm])
+            left.errorbar(xs, means, yerr=errors, marker=marker, capsize=3, color=colours[arm], label=NAMES[arm])
     plateau = next((row["arms"]["plateau"] for row in rows.values() if "plateau" in row["arms"]), None)
     if plateau:
         steps = record["plateau"]["steps"]
@@ -313,21 +314,22 @@ def plot(record: dict[str, Any], path: Path) -> None:
         left.axhline(100 * plateau["mean"], color="grey", lw=1)
     left.set(xscale="log", xlabel="pretraining steps", ylabel=f"test top-1 at {LABELS:,} labels (%)")
     left.set_title("fine-tuned, 95% interval over seeds", fontsize=10)
-    for arm, style in (("mpp", "-"), ("supervised", "--")):
-        for key, marker in (("linear probe", "o"), ("k-NN", "s")):
-            found = [
-                (int(p.split("/p")[1]), e["frozen"][key]) for p, e in points.items() if p.startswith(arm + "/") and e
-            ]
+    for arm in ("mpp", "supervised"):
+        for key, style, marker in (("linear probe", "-", "o"), ("k-NN", "--", "s")):
+            found = sorted(
+                ((int(p.split("/p")[1]), e["frozen"][key]) for p, e in points.items() if p.startswith(arm + "/") and e),
+                key=lambda found: found[0],
+            )
             if found:
                 middle.errorbar([x for x, _ in found], [100 * f["mean"] for _, f in found],
                                 yerr=[100 * f["std"] for _, f in found], ls=style, marker=marker, capsize=3,
-                                label=f"{arm}, {key}")  # fmt: skip
+                                color=colours[arm], label=f"{arm}, {key}")  # fmt: skip
     middle.set(xscale="log", xlabel="pretraining steps", ylabel="frozen encoder, test top-1 (%)")
     middle.set_title("frozen encoders (mean ± std)", fontsize=10)
-    for point, entry in points.items():
-        if point.startswith("mpp/") and entry and entry.get("pretrain_val_loss"):
-            right.scatter(entry["pretrain_val_loss"]["values"], [100 * v for v in entry["test_accuracy"]["values"]],
-                          label=f"{int(point.split('/p')[1]):,} steps")  # fmt: skip
+    measured = [(p, e) for p, e in points.items() if p.startswith("mpp/") and e and e.get("pretrain_val_loss")]
+    for budget, (point, entry) in enumerate(measured):  # budgets in colours that no arm has
+        right.scatter(entry["pretrain_val_loss"]["values"], [100 * v for v in entry["test_accuracy"]["values"]],
+                      color=f"C{3 + budget}", label=f"{int(point.split('/p')[1]):,} steps")  # fmt: skip
     right.set(xlabel="MPP pretraining validation loss", ylabel="fine-tuned test top-1 (%)")
     right.set_title("is the loss a cheap predictor? (one dot per seed)", fontsize=10)
     for axes in (left, middle, right):
