@@ -318,7 +318,7 @@ def plot(record: dict[str, Any], path: Path) -> None:
         for key, style, marker in (("linear probe", "-", "o"), ("k-NN", "--", "s")):
             found = sorted(
                 ((int(p.split("/p")[1]), e["frozen"][key]) for p, e in points.items() if p.startswith(arm + "/") and e),
-                key=lambda found: found[0],
+                key=lambda budget_and_scores: budget_and_scores[0],
             )
             if found:
                 middle.errorbar([x for x, _ in found], [100 * f["mean"] for _, f in found],
