@@ -13,7 +13,8 @@ past its edge while its best value is there (at most --extensions times); the fr
 (the plateau) is the one whose final runs are best on validation, the mean over seeds. The test set is
 read once per final run and once per frozen pretrained encoder, after the choices of its point.
 Runs resume: the same command again goes on where it stopped, and --budgets may add budgets later
-(the runs already made are kept). It needs the full FashionMNIST shards (`apt-get install
+(the runs already made are kept). With --results, the finished runs' numbers go there too (ledger.json,
+experiments.ledger), and the same command on a fresh checkout restores them and goes on. It needs the full FashionMNIST shards (`apt-get install
 dataset-fashion-mnist`; made once, as `python -m experiments.study --full` makes them).
 """
 
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.ledger import NAME, restore, write_ledger
 from experiments.plan import Job, Plan, lr_name, seeded, steps_of
 from experiments.runner import run_study
 from experiments.settings import Settings
@@ -324,6 +326,20 @@ def extends(saved: dict[str, Any], curve: Curve) -> bool:
     return rest(saved) == rest(mine) and set(saved["budgets"]) <= set(mine["budgets"])
 
 
+def go_on_from(path: Path, out: Path, curve: Curve) -> None:
+    """Restore into `out` the finished runs of the ledger at `path` (experiments.ledger) that it lacks:
+    a fresh checkout goes on where the committed results stopped."""
+    ledger = json.loads(path.read_text())
+    if not extends(ledger["settings"], curve):
+        raise SystemExit(f"curve: {path} holds a curve with other settings; choose another --results")
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "settings.json").exists():
+        (out / "settings.json").write_text(json.dumps(ledger["settings"], indent=1))
+    restored = restore(ledger, out)
+    if restored:
+        print(f"curve: {len(restored)} finished runs restored from {path} into {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from experiments.curve_report import report  # matplotlib only where a report is made
 
@@ -338,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(outline(curve)))
         return 0
     saved_path = out / "settings.json"
+    if results and (results / NAME).exists():
+        go_on_from(results / NAME, out, curve)
     if args.report and not saved_path.exists():
         raise SystemExit(f"curve: {out} holds no curve (no settings.json); run it first")
     if saved_path.exists() and not extends(json.loads(saved_path.read_text()), curve):
@@ -353,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             print(f"curve: {time.time() - start:.0f} s this invocation")
     table = report(curve, CurvePlan(curve), out, [out] + ([results] if results else []), command.strip())
+    if results:
+        write_ledger(out, json.loads(saved_path.read_text()), results)
     print(table)
     return 0
 

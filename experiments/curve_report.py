@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.curve import LABELS, Curve, CurvePlan, outline, pretrain_name  # noqa: E402
 from experiments.plan import Job, kind_of  # noqa: E402
-from experiments.report import interval, pct, test_reads, write_results  # noqa: E402
-from experiments.runner import read_results  # noqa: E402
+from experiments.report import interval, pct, write_results  # noqa: E402
+from experiments.runner import read_results, test_reads  # noqa: E402
 from experiments.stats import paired, summarise  # noqa: E402
 
 PAIRS = {"mpp - plateau": ("mpp", "plateau"), "mpp - matched": ("mpp", "matched"),
@@ -70,11 +70,13 @@ def audit(
         point = owner.get(read["job"])
         if point is None:
             problems.append(f"{read['job']} read the test set but is no final evaluation")
-        elif read["time"] < choices[point]["time"]:
+        elif None not in (read["time"], choices[point]["time"]) and read["time"] < choices[point]["time"]:
             problems.append(f"{read['job']} read the test set before its point's choice")
     problems += [f"{name} read the test set {n} times" for name, n in counts.items() if n > 1]
     done = len({read["job"] for read in reads} & set(owner))
-    return {"reads": len(reads), "evaluations": len(owner), "evaluations_done": done, "problems": problems}
+    untimed = sum(read["time"] is None for read in reads)  # restored from a record that audited them
+    return {"reads": len(reads), "evaluations": len(owner), "evaluations_done": done, "problems": problems,
+            "untimed": untimed}  # fmt: skip
 
 
 def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
@@ -108,7 +110,10 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
         }
     machines: dict[str, int] = {}
     wall: dict[str, float] = {}
+    restored: dict[str, int] = {}
     for result in results.values():
+        if "restored" in result:
+            restored[result["restored"]] = restored.get(result["restored"], 0) + 1
         for entry in result.get("machines", []):
             threads = f"{entry['threads']} thread" + ("s" if entry["threads"] != 1 else "")
             key = f"{entry['cpu']} ({entry['precision']}, {threads}, torch {entry['torch']})"
@@ -128,9 +133,10 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
         "machines": machines,
         "widened": sorted(widened),
         "test_set": audit(plan, choices, test_reads(out), widened),
+        "restored": restored,
         "wall_seconds": {
             "elapsed": sum((a["end"] or a["start"]) - a["start"] for a in attempts),
-            "attempts": len(attempts),
+            "attempts": sum(attempt.get("invocations", 1) for attempt in attempts),
             "jobs_by_kind": wall,
         },  # fmt: skip
     }
@@ -279,7 +285,10 @@ def render(record: dict[str, Any], command: str) -> str:
     problems = (
         f"with problems: {'; '.join(audit['problems'])}" if audit["problems"] else "each after its point's choice"
     )
+    if audit.get("untimed"):
+        problems += f" ({audit['untimed']} reads restored without times, audited when they were made)"
     done = f"{audit['evaluations_done']} of the {audit['evaluations']}"
+    lines += [f"- {n} runs restored: {note}." for note, n in record.get("restored", {}).items()]
     lines += ["", f"Test set: read {audit['reads']} times, by {done} final evaluations the choices so far call for, {problems}.",
               f"Wall time: {wall['elapsed'] / 3600:.1f} h over {wall['attempts']} invocation(s) (run time by kind: "
               + ", ".join(f"{k} {v / 3600:.1f} h" for k, v in wall["jobs_by_kind"].items()) + ")."]  # fmt: skip

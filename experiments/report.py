@@ -14,17 +14,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.plan import Job, Plan, kind_of, pretrain_name  # noqa: E402
-from experiments.runner import read_results  # noqa: E402
+from experiments.runner import read_results, test_reads  # noqa: E402
 from experiments.settings import ARMS, DEFAULT_VARIANT, PAIRS, PRETRAINED, VARIANTS, Settings  # noqa: E402
 from experiments.stats import paired, summarise  # noqa: E402
 
 # How the table names each arm's frozen pretrained encoder.
 FROZEN_LABELS = {"mpp": "MPP", "supervised": "supervised", "hybrid_mpp": "hybrid MPP"}
-
-
-def test_reads(out: Path) -> list[dict[str, Any]]:
-    path = out / "test_reads.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def audit_test_reads(

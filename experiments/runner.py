@@ -126,9 +126,17 @@ def checkpointing(folder: Path, every: int) -> list[str]:
     return ["--trainer.callbacks", json.dumps([callback])]
 
 
+def checkpoint_of(out: Path, name: str) -> Path:
+    """The last checkpoint of the finished run `name`, which a job starts from or evaluates."""
+    path = last_checkpoint(out, name)
+    if not path.exists():  # e.g. restored from a ledger (experiments.ledger): its numbers, not its weights
+        raise FileNotFoundError(f"{name} has no checkpoint in {path.parent}: run it again (delete its result.json)")
+    return path
+
+
 def resolve(overrides: Sequence[str], out: Path) -> list[str]:
     """`{run:NAME}` -> that run's last checkpoint."""
-    return [str(last_checkpoint(out, arg[5:-1])) if arg.startswith("{run:") else arg for arg in overrides]
+    return [str(checkpoint_of(out, arg[5:-1])) if arg.startswith("{run:") else arg for arg in overrides]
 
 
 def frozen_scores(checkpoint: Path, shards: tuple[str, str], settings: Settings) -> dict[str, Any]:
@@ -168,13 +176,13 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
             result["val_loss"] = losses[-1][1] if losses else None
         elif job.kind == "test":
             args = ["test", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
-            args += ["--data.test", settings.splits.test, "--ckpt_path", str(last_checkpoint(out, job.checkpoint))]
+            args += ["--data.test", settings.splits.test, "--ckpt_path", str(checkpoint_of(out, job.checkpoint))]
             note_test_read(out, job.name)
             cli(args)
             [(_, accuracy)] = metric_curve(folder / "metrics.csv", "test/accuracy")[-1:]
             result["test_accuracy"] = accuracy
         if job.frozen is not None:
-            checkpoint = last_checkpoint(out, job.checkpoint or job.name)
+            checkpoint = checkpoint_of(out, job.checkpoint or job.name)
             if job.kind == "frozen":
                 note_test_read(out, job.name)
             result["frozen"] = frozen_scores(checkpoint, job.frozen, settings)
@@ -184,6 +192,12 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     temporary.write_text(json.dumps(result, indent=1))
     temporary.replace(folder / "result.json")
     return result
+
+
+def test_reads(out: Path) -> list[dict[str, Any]]:
+    """The study's record of its test-set reads (note_test_read)."""
+    path = out / "test_reads.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def machine() -> dict[str, Any]:

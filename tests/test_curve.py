@@ -13,6 +13,8 @@ import pytest
 
 from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, outline, val_every
 from experiments.curve_report import audit, conclusions, loss_correlation
+from experiments.ledger import ledger_of, restore, write_ledger
+from experiments.runner import checkpoint_of, read_results, run_folder
 
 
 def full(**changes: object) -> Curve:
@@ -228,3 +230,37 @@ def test_the_points_of_a_difference_whose_interval_holds_zero_get_two_more_seeds
         "frozen/pretrain/p600/seed4 read the test set but is no final evaluation"
         in audit(plan, choices, reads)["problems"]
     )
+
+
+def test_a_ledger_brings_a_curves_finished_runs_to_a_fresh_run_folder(tmp_path: Path) -> None:
+    """What a run folder knows (results, choices with their times, test reads, invocations) comes back from
+    its ledger alone into an empty folder, and into one that holds some of it, without doubling anything;
+    the plan then wants nothing more. A restored run has no checkpoint: a job starting from it says so."""
+    curve = full(budgets=[600])
+    plan, results, settings = CurvePlan(curve), {}, json.loads(json.dumps(curve.as_dict()))
+    choose_everything(plan, results, {500: 0.6, 1100: 0.7})
+    made = tmp_path / "made"
+    for name, result in results.items():
+        run_folder(made, name).mkdir(parents=True)
+        (run_folder(made, name) / "result.json").write_text(json.dumps(result))
+    choices = {key: {**value, "time": 1.0} for key, value in plan.all_choices(results).items() if value}
+    (made / "choices.json").write_text(json.dumps(choices))
+    reads = [{"job": name, "time": 2.0} for name in results if name.endswith("/test") or name.startswith("frozen/")]
+    (made / "test_reads.jsonl").write_text("".join(json.dumps(read) + "\n" for read in reads))
+    (made / "attempts.json").write_text(json.dumps([{"start": 0.0, "end": 5.0, "finished": sorted(results)}]))
+    ledger = json.loads(write_ledger(made, settings, tmp_path / "results").read_text())
+
+    fresh, partial = tmp_path / "fresh", tmp_path / "partial"
+    assert sorted(restore(ledger, fresh)) == sorted(results)
+    some = sorted(results)[::2]
+    for name in some:  # this folder finished half the runs itself, and made one choice and one read
+        run_folder(partial, name).mkdir(parents=True)
+        (run_folder(partial, name) / "result.json").write_text(json.dumps(results[name]))
+    (partial / "test_reads.jsonl").write_text(json.dumps(reads[0]) + "\n")
+    assert sorted(restore(ledger, partial)) == sorted(set(results) - set(some))
+    for folder in (fresh, partial):
+        assert restore(ledger, folder) == []  # a second time: nothing new
+        assert ledger_of(folder, settings) == ledger
+        assert plan.ready(read_results(folder)) == ([], True)
+    with pytest.raises(FileNotFoundError, match="pretrain/p600/seed0 has no checkpoint"):
+        checkpoint_of(fresh, "pretrain/p600/seed0")

@@ -386,7 +386,7 @@ def check_output(user: Path, argv: list[str], stdout: str) -> None:
         assert re.search(r"^\| 4 \| \d+\.\d ± \d+\.\d \[", stdout, re.M), stdout[-3000:]
         assert "MPP fine-tuned − from scratch, plateau: " in stdout
         written = {path.name for path in (user / argv[argv.index("--results") + 1]).iterdir()}
-        assert written == {"curve.json", "curve.md", "curve.png"}
+        assert written == {"curve.json", "curve.md", "curve.png", "ledger.json"}
     if tool == "leakage":
         assert "| hybrid, mask_pixels | frozen |" in stdout and "hybrid - vit, frozen: " in stdout
         assert (user / argv[argv.index("--results") + 1] / "leakage.json").is_file()
@@ -427,6 +427,12 @@ def test_study_commands_run_shrunk(user: Path, command: list[str]) -> None:
     result, _ = run(argv, user, env=user_env(user, PYTHONPATH=pythonpath))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     check_output(user, command, result.stdout)
+    if name(command) == "curve" and "--results" in command:  # a fresh checkout: the committed results go on
+        again, _ = run([*argv, "--out", "runs/curve-elsewhere"], user, env=user_env(user, PYTHONPATH=pythonpath))
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+        assert "finished runs restored from" in again.stdout and "study: start" not in again.stdout, again.stdout
+        table = [line for line in result.stdout.splitlines() if line.startswith("| 4 |")]
+        assert table and table == [line for line in again.stdout.splitlines() if line.startswith("| 4 |")]
 
 
 @pytest.fixture(scope="module")
