@@ -60,6 +60,7 @@ def restore(ledger: dict[str, Any], out: Path) -> list[str]:
     with (out / "test_reads.jsonl").open("a") as file:
         file.writelines(json.dumps(read) + "\n" for read in missing)
     attempts = _json(out / "attempts.json", [])
-    earlier = [attempt for attempt in ledger["attempts"] if attempt not in attempts]
+    starts = {attempt["start"] for attempt in attempts}  # an invocation is its start; `out` has its latest end
+    earlier = [attempt for attempt in ledger["attempts"] if attempt["start"] not in starts]
     (out / "attempts.json").write_text(json.dumps(earlier + attempts, indent=1))
     return restored

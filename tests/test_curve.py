@@ -257,7 +257,10 @@ def test_a_ledger_brings_a_curves_finished_runs_to_a_fresh_run_folder(tmp_path: 
         run_folder(partial, name).mkdir(parents=True)
         (run_folder(partial, name) / "result.json").write_text(json.dumps(results[name]))
     (partial / "test_reads.jsonl").write_text(json.dumps(reads[0]) + "\n")
+    (partial / "attempts.json").write_text(json.dumps([{"start": 0.0, "end": 1.0, "finished": []}]))  # then went on
     assert sorted(restore(ledger, partial)) == sorted(set(results) - set(some))
+    assert json.loads((partial / "attempts.json").read_text()) == [{"start": 0.0, "end": 1.0, "finished": []}]
+    (partial / "attempts.json").write_text(json.dumps(ledger["attempts"]))
     for folder in (fresh, partial):
         assert restore(ledger, folder) == []  # a second time: nothing new
         assert ledger_of(folder, settings) == ledger
