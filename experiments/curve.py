@@ -14,8 +14,9 @@ past its edge while its best value is there (at most --extensions times); the fr
 read once per final run and once per frozen pretrained encoder, after the choices of its point.
 Runs resume: the same command again goes on where it stopped, and --budgets may add budgets later
 (the runs already made are kept). With --results, the finished runs' numbers go there too (ledger.json,
-experiments.ledger), and the same command on a fresh checkout restores them and goes on. It needs the full FashionMNIST shards (`apt-get install
-dataset-fashion-mnist`; made once, as `python -m experiments.study --full` makes them).
+experiments.ledger), and the same command on a fresh checkout restores them and goes on. It needs the
+full FashionMNIST shards (`apt-get install dataset-fashion-mnist`; made once, as
+`python -m experiments.study --full` makes them).
 """
 
 from __future__ import annotations
