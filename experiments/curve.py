@@ -14,7 +14,9 @@ past its edge while its best value is there (at most --extensions times); the fr
 read once per final run and once per frozen pretrained encoder, after the choices of its point.
 Runs resume: the same command again goes on where it stopped, and --budgets may add budgets later
 (the runs already made are kept). With --results, the finished runs' numbers go there too (ledger.json,
-experiments.ledger), and the same command on a fresh checkout restores them and goes on. It needs the
+experiments.ledger), and the same command on a fresh checkout restores them and goes on; a run stopped
+half way resumes only where its checkpoints are, so `--within HOURS` starts only the runs that the
+finished ones' speed says will end in that time, longest first (experiments.timing). It needs the
 full FashionMNIST shards (`apt-get install dataset-fashion-mnist`; made once, as
 `python -m experiments.study --full` makes them).
 """
@@ -290,6 +292,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--supervised", action=argparse.BooleanOptionalAction, default=True,
                         help="supervised pretraining at each budget (default: on)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cores/jobs threads")
+    parser.add_argument("--within", type=float, metavar="HOURS",
+                        help="start only the runs expected to finish within HOURS (from the finished runs' "
+                        "speed), longest first, then stop: no run is left half done")  # fmt: skip
     parser.add_argument("--out", help="folder of the runs and results (default runs/curve)")
     parser.add_argument("--plan", action="store_true", help="say what the curve would run, and stop")
     parser.add_argument(
@@ -327,6 +332,16 @@ def extends(saved: dict[str, Any], curve: Curve) -> bool:
     return rest(saved) == rest(mine) and set(saved["budgets"]) <= set(mine["budgets"])
 
 
+def without_time(args: Sequence[str]) -> list[str]:
+    """A curve's arguments less those that change when it runs, not what it finds (--report, --within)."""
+    kept, skip = [], False
+    for arg in args:
+        if not skip and arg != "--report" and not arg.startswith("--within"):
+            kept.append(arg)
+        skip = arg == "--within"
+    return kept
+
+
 def go_on_from(path: Path, out: Path, curve: Curve) -> None:
     """Restore into `out` the finished runs of the ledger at `path` (experiments.ledger) that it lacks:
     a fresh checkout goes on where the committed results stopped."""
@@ -349,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(args.results).absolute() if args.results else None
     os.chdir(ROOT)
     given = sys.argv[1:] if argv is None else argv
-    command = "python -m experiments.curve " + " ".join(shlex.quote(a) for a in given if a != "--report")
+    command = "python -m experiments.curve " + " ".join(shlex.quote(a) for a in without_time(given))
     curve = curve_from(args)
     if args.plan:
         print("\n".join(outline(curve)))
@@ -367,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         saved_path.write_text(json.dumps(curve.as_dict(), indent=1))
         start = time.time()
+        until = start + 3600 * args.within if args.within else None
         try:
-            run_study(curve.study, out, jobs=args.jobs, plan=CurvePlan(curve))
+            run_study(curve.study, out, jobs=args.jobs, plan=CurvePlan(curve), until=until)
         finally:
             print(f"curve: {time.time() - start:.0f} s this invocation")
     table = report(curve, CurvePlan(curve), out, [out] + ([results] if results else []), command.strip())

@@ -22,8 +22,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Protocol
 
-from experiments.plan import Job, Plan
+from experiments.plan import Job, Plan, steps_of
 from experiments.settings import Settings
+from experiments.timing import fitting
 
 WATCH_SECONDS = 1.0  # how often a worker looks whether its study is still there
 STOP_GRACE_SECONDS = 30.0  # then a worker whose study is gone exits, stopped or not
@@ -161,6 +162,7 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result: dict[str, Any] = {"name": job.name, "kind": job.kind, "machines": note_machine(folder)}
+    result |= {"config": job.config, "steps": steps_of(job)}  # what experiments.timing estimates from
     with output_to(folder / "log.txt"):
         if job.kind == "fit":
             resume = last_checkpoint(out, job.name)
@@ -300,10 +302,17 @@ class Planner(Protocol):
 
 
 def run_study(
-    settings: Settings, out: Path, *, jobs: int, say: Any = print, plan: Planner | None = None
+    settings: Settings,
+    out: Path,
+    *,
+    jobs: int,
+    say: Any = print,
+    plan: Planner | None = None,
+    until: float | None = None,
 ) -> dict[str, dict]:
     """Run every job of the study not yet finished under `out`, `jobs` at a time, as `plan` (default
-    the study's Plan) decides; returns all results."""
+    the study's Plan) decides; returns all results. With `until` (a time.time()), start only the jobs
+    that experiments.timing expects to finish by then, longest first, and stop when none does."""
     out.mkdir(parents=True, exist_ok=True)
     plan = plan or Plan(settings)
     results = read_results(out)
@@ -324,12 +333,17 @@ def run_study(
             ready, finished = plan.ready(results)
             if finished or (failures and not running):
                 break
+            if until is not None:
+                ready = fitting(ready, results, until - time.time())
             for job in ready:
                 if len(running) >= jobs or failures:
                     break
                 if job.name not in running:
                     say(f"study: start {job.name}")
                     running[job.name] = pool.submit(run_job, job, out, settings)
+            if not running and until is not None:
+                say("study: no job that is ready can finish in the time left; stopping")
+                break
             if not running:
                 raise RuntimeError("the study cannot go on: no job is ready and none is running")
             done, _ = wait(list(running.values()), return_when=FIRST_COMPLETED)

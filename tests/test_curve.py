@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, outline, val_every
+from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, outline, val_every, without_time
 from experiments.curve_report import audit, conclusions, loss_correlation
 from experiments.ledger import ledger_of, restore, write_ledger
-from experiments.runner import checkpoint_of, read_results, run_folder
+from experiments.plan import Job
+from experiments.runner import checkpoint_of, read_results, run_folder, run_study
+from experiments.timing import estimate, fitting
 
 
 def full(**changes: object) -> Curve:
@@ -267,3 +269,41 @@ def test_a_ledger_brings_a_curves_finished_runs_to_a_fresh_run_folder(tmp_path: 
         assert plan.ready(read_results(folder)) == ([], True)
     with pytest.raises(FileNotFoundError, match="pretrain/p600/seed0 has no checkpoint"):
         checkpoint_of(fresh, "pretrain/p600/seed0")
+
+
+def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_path: Path, capsys) -> None:
+    """--within: a fit takes what the finished fits of its config and nearest step count took, scaled to
+    its steps; an evaluation the wall time of its kind; those that fit start, longest first; a job like
+    none finished counts as fitting. When nothing ready fits and nothing runs, the invocation stops."""
+    plan = CurvePlan(full())
+    results = {
+        "a": {"kind": "fit", "config": plan.fit("scratch/s500", 1e-3, 0).config, "steps": 500, "wall_seconds": 200.0},
+        "b": {"kind": "fit", "config": plan.fit("scratch/s500", 1e-3, 0).config, "steps": 5000, "wall_seconds": 1500.0},
+        "e": {"kind": "fit", "config": plan.fit("scratch/s500", 1e-3, 0).config, "steps": 5000, "wall_seconds": 2500.0},
+        "c": {"kind": "test", "wall_seconds": 10.0},
+        "d": {"kind": "fit", "wall_seconds": 5.0},  # restored before runs recorded their steps: not used
+    }
+    long, short = plan.fit("scratch/s10100", 1e-3, 0), plan.fit("scratch/s1100", 1e-3, 0)
+    tuned, test = plan.fit("mpp/p600", 0.03, 0), Job("x/test", "test")
+    assert estimate(long, results) == pytest.approx(0.4 * 10100)  # from the 5,000-step runs, 2,000 s
+    assert estimate(short, results) == pytest.approx(1100 * 200 / 500)  # from the 500-step run
+    assert estimate(test, results) == 10.0 and estimate(tuned, results) is None
+    jobs = [test, tuned, short, long]
+    assert fitting(jobs, results, 6000) == [long, short, test, tuned]
+    assert fitting(jobs, results, 1000) == [short, test, tuned]
+    assert fitting(jobs, results, 4000) == [short, test, tuned]
+    assert fitting(jobs, results, 5) == [tuned]
+
+    class Waiting:  # one job ready, never finished
+        def all_choices(self, results: dict) -> dict:
+            return {}
+
+        def ready(self, results: dict) -> tuple[list[Job], bool]:
+            return [short], False
+
+    (run_folder(tmp_path, "a")).mkdir(parents=True)
+    (run_folder(tmp_path, "a") / "result.json").write_text(json.dumps({"name": "a", **results["a"]}))
+    run_study(full().study, tmp_path, jobs=1, plan=Waiting(), until=0.0)
+    assert "no job that is ready can finish in the time left" in capsys.readouterr().out
+    assert not run_folder(tmp_path, short.name).exists()
+    assert without_time(["--within", "2", "--results", "r", "--within=1", "--report"]) == ["--results", "r"]

@@ -1,0 +1,37 @@
+"""How long a study's jobs take, from the ones that have finished: so that an invocation given a time
+(`--within`) starts only the runs that can finish in it, longest first, instead of a run it would leave
+half done.
+
+A fit's estimate comes from the finished fits of the same config with the step count nearest its own:
+their median wall time, scaled by the ratio of the step counts (a run validates about 25 times whatever
+its length, so seconds per step differ between short and long runs); an evaluation's is the median wall
+time of its kind. A job like none that has finished has no estimate and counts as fitting.
+"""
+
+from __future__ import annotations
+
+from math import log
+from statistics import median
+
+from experiments.plan import Job, steps_of
+
+
+def estimate(job: Job, results: dict[str, dict]) -> float | None:
+    """Seconds `job` should take, judged by `results` (None when nothing like it has finished)."""
+    if job.kind == "fit":
+        steps = steps_of(job)
+        alike = [(r["steps"], r["wall_seconds"]) for r in results.values()
+                 if r["kind"] == "fit" and r.get("config") == job.config and r.get("steps")]  # fmt: skip
+        if not alike:
+            return None
+        nearest = min(abs(log(n / steps)) for n, _ in alike)
+        return median(wall * steps / n for n, wall in alike if abs(log(n / steps)) == nearest)
+    walls = [r["wall_seconds"] for r in results.values() if r["kind"] == job.kind]
+    return median(walls) if walls else None
+
+
+def fitting(jobs: list[Job], results: dict[str, dict], seconds: float) -> list[Job]:
+    """The jobs whose estimate is within `seconds`, longest first (unknown ones last, in their order)."""
+    known = [(estimate(job, results), i, job) for i, job in enumerate(jobs)]
+    fits = [(s if s is not None else -1.0, i, job) for s, i, job in known if s is None or s <= seconds]
+    return [job for _, _, job in sorted(fits, key=lambda item: (-item[0], item[1]))]
