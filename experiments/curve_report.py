@@ -20,6 +20,7 @@ from experiments.plan import Job, kind_of  # noqa: E402
 from experiments.report import interval, pct, write_results  # noqa: E402
 from experiments.runner import read_results, test_reads  # noqa: E402
 from experiments.stats import paired, summarise  # noqa: E402
+from experiments.timing import elapsed  # noqa: E402
 
 PAIRS = {"mpp - plateau": ("mpp", "plateau"), "mpp - matched": ("mpp", "matched"),
          "supervised - mpp": ("supervised", "mpp")}  # fmt: skip
@@ -135,7 +136,7 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
         "test_set": audit(plan, choices, test_reads(out), widened),
         "restored": restored,
         "wall_seconds": {
-            "elapsed": sum((a["end"] or a["start"]) - a["start"] for a in attempts),
+            "elapsed": elapsed(attempts),
             "attempts": sum(attempt.get("invocations", 1) for attempt in attempts),
             "jobs_by_kind": wall,
         },  # fmt: skip

@@ -17,6 +17,7 @@ from experiments.plan import Job, Plan, kind_of, pretrain_name  # noqa: E402
 from experiments.runner import read_results, test_reads  # noqa: E402
 from experiments.settings import ARMS, DEFAULT_VARIANT, PAIRS, PRETRAINED, VARIANTS, Settings  # noqa: E402
 from experiments.stats import paired, summarise  # noqa: E402
+from experiments.timing import elapsed  # noqa: E402
 
 # How the table names each arm's frozen pretrained encoder.
 FROZEN_LABELS = {"mpp": "MPP", "supervised": "supervised", "hybrid_mpp": "hybrid MPP"}
@@ -119,7 +120,7 @@ def summarise_study(settings: Settings, out: Path) -> dict[str, Any]:
         "ablation": ablation,
         "test_set": audit_test_reads(plan, choices, test_reads(out), joined),
         "wall_seconds": {
-            "elapsed": sum((a["end"] or a["start"]) - a["start"] for a in attempts),
+            "elapsed": elapsed(attempts),
             "attempts": len(attempts),
             "jobs_by_kind": wall_by_kind,
         },

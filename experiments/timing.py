@@ -5,13 +5,15 @@ half done.
 A fit's estimate comes from the finished fits of the same config with the step count nearest its own:
 their median wall time, scaled by the ratio of the step counts (a run validates about 25 times whatever
 its length, so seconds per step differ between short and long runs); an evaluation's is the median wall
-time of its kind. A job like none that has finished has no estimate and counts as fitting.
+time of its kind. A job like none that has finished has no estimate and counts as fitting. And how long
+a study has taken: the wall-clock time its invocations cover, those that ran side by side counted once.
 """
 
 from __future__ import annotations
 
 from math import log
 from statistics import median
+from typing import Any
 
 from experiments.plan import Job, steps_of
 
@@ -35,3 +37,12 @@ def fitting(jobs: list[Job], results: dict[str, dict], seconds: float) -> list[J
     known = [(estimate(job, results), i, job) for i, job in enumerate(jobs)]
     fits = [(s if s is not None else -1.0, i, job) for s, i, job in known if s is None or s <= seconds]
     return [job for _, _, job in sorted(fits, key=lambda item: (-item[0], item[1]))]
+
+
+def elapsed(attempts: list[dict[str, Any]]) -> float:
+    """The seconds covered by at least one invocation ({"start", "end"}; an end of None is its start)."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted((a["start"], a["end"] or a["start"]) for a in attempts):
+        total += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return total

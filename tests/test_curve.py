@@ -16,7 +16,7 @@ from experiments.curve_report import audit, conclusions, loss_correlation
 from experiments.ledger import ledger_of, restore, write_ledger
 from experiments.plan import Job
 from experiments.runner import checkpoint_of, read_results, run_folder, run_study
-from experiments.timing import estimate, fitting
+from experiments.timing import elapsed, estimate, fitting
 
 
 def full(**changes: object) -> Curve:
@@ -307,3 +307,9 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
     assert "no job that is ready can finish in the time left" in capsys.readouterr().out
     assert not run_folder(tmp_path, short.name).exists()
     assert without_time(["--within", "2", "--results", "r", "--within=1", "--report"]) == ["--results", "r"]
+
+
+def test_wall_time_counts_invocations_side_by_side_once() -> None:
+    attempts = [{"start": 0.0, "end": 100.0}, {"start": 50.0, "end": 120.0}, {"start": 60.0, "end": 70.0},
+                {"start": 200.0, "end": None}, {"start": 300.0, "end": 310.0}]  # fmt: skip
+    assert elapsed(attempts) == 130.0 and elapsed([]) == 0.0
