@@ -127,6 +127,16 @@ def checkpointing(folder: Path, every: int) -> list[str]:
     return ["--trainer.callbacks", json.dumps([callback])]
 
 
+def steps_done(out: Path, job: Job) -> int:
+    """The optimiser steps a fit resumes from: its last checkpoint's (0 without one, or for an evaluation)."""
+    path = last_checkpoint(out, job.name)
+    if job.kind != "fit" or not path.exists():
+        return 0
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+
+
 def checkpoint_of(out: Path, name: str) -> Path:
     """The last checkpoint of the finished run `name`, which a job starts from or evaluates."""
     path = last_checkpoint(out, name)
@@ -162,7 +172,8 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result: dict[str, Any] = {"name": job.name, "kind": job.kind, "machines": note_machine(folder)}
-    result |= {"config": job.config, "steps": steps_of(job)}  # what experiments.timing estimates from
+    # what experiments.timing estimates from: this attempt's wall seconds ran steps - resumed_from steps
+    result |= {"config": job.config, "steps": steps_of(job), "resumed_from": steps_done(out, job)}
     with output_to(folder / "log.txt"):
         if job.kind == "fit":
             resume = last_checkpoint(out, job.name)
@@ -334,7 +345,7 @@ def run_study(
             if finished or (failures and not running):
                 break
             if until is not None:
-                ready = fitting(ready, results, until - time.time())
+                ready = fitting(ready, results, until - time.time(), lambda job: steps_done(out, job))
             for job in ready:
                 if len(running) >= jobs or failures:
                     break

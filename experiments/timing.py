@@ -3,14 +3,16 @@
 half done.
 
 A fit's estimate comes from the finished fits of the same config with the step count nearest its own:
-their median wall time, scaled by the ratio of the step counts (a run validates about 25 times whatever
-its length, so seconds per step differ between short and long runs); an evaluation's is the median wall
-time of its kind. A job like none that has finished has no estimate and counts as fitting. And how long
-a study has taken: the wall-clock time its invocations cover, those that ran side by side counted once.
+the median of their seconds per step (an attempt that resumed counts the steps it ran), times the steps
+the fit has left (a run validates about 25 times whatever its length, so seconds per step differ
+between short and long runs); an evaluation's is the median wall time of its kind. A job like none that
+has finished has no estimate and counts as fitting. And how long a study has taken: the wall-clock time
+its invocations cover, those that ran side by side counted once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import log
 from statistics import median
 from typing import Any
@@ -18,23 +20,30 @@ from typing import Any
 from experiments.plan import Job, steps_of
 
 
-def estimate(job: Job, results: dict[str, dict]) -> float | None:
-    """Seconds `job` should take, judged by `results` (None when nothing like it has finished)."""
+def estimate(job: Job, results: dict[str, dict], done: int = 0) -> float | None:
+    """Seconds `job` should take, `done` of its steps made, judged by `results` (None when nothing like it
+    has finished)."""
     if job.kind == "fit":
         steps = steps_of(job)
-        alike = [(r["steps"], r["wall_seconds"]) for r in results.values()
-                 if r["kind"] == "fit" and r.get("config") == job.config and r.get("steps")]  # fmt: skip
+        alike = []  # (steps, seconds per step run) of the finished fits of its config
+        for r in results.values():
+            ran = r.get("steps", 0) - r.get("resumed_from", 0)
+            if r["kind"] == "fit" and r.get("config") == job.config and ran > 0:
+                alike.append((r["steps"], r["wall_seconds"] / ran))
         if not alike:
             return None
         nearest = min(abs(log(n / steps)) for n, _ in alike)
-        return median(wall * steps / n for n, wall in alike if abs(log(n / steps)) == nearest)
+        return median(rate for n, rate in alike if abs(log(n / steps)) == nearest) * (steps - done)
     walls = [r["wall_seconds"] for r in results.values() if r["kind"] == job.kind]
     return median(walls) if walls else None
 
 
-def fitting(jobs: list[Job], results: dict[str, dict], seconds: float) -> list[Job]:
-    """The jobs whose estimate is within `seconds`, longest first (unknown ones last, in their order)."""
-    known = [(estimate(job, results), i, job) for i, job in enumerate(jobs)]
+def fitting(
+    jobs: list[Job], results: dict[str, dict], seconds: float, done: Callable[[Job], int] = lambda job: 0
+) -> list[Job]:
+    """The jobs whose estimate is within `seconds` (`done(job)`: the steps a fit has made), longest first
+    (unknown ones last, in their order)."""
+    known = [(estimate(job, results, done(job)), i, job) for i, job in enumerate(jobs)]
     fits = [(s if s is not None else -1.0, i, job) for s, i, job in known if s is None or s <= seconds]
     return [job for _, _, job in sorted(fits, key=lambda item: (-item[0], item[1]))]
 

@@ -10,12 +10,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, outline, val_every, without_time
 from experiments.curve_report import audit, conclusions, loss_correlation
 from experiments.ledger import ledger_of, restore, write_ledger
 from experiments.plan import Job
-from experiments.runner import checkpoint_of, read_results, run_folder, run_study
+from experiments.runner import checkpoint_of, last_checkpoint, read_results, run_folder, run_study, steps_done
 from experiments.timing import elapsed, estimate, fitting
 
 
@@ -282,6 +283,8 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
         "e": {"kind": "fit", "config": plan.fit("scratch/s500", 1e-3, 0).config, "steps": 5000, "wall_seconds": 2500.0},
         "c": {"kind": "test", "wall_seconds": 10.0},
         "d": {"kind": "fit", "wall_seconds": 5.0},  # restored before runs recorded their steps: not used
+        "f": {"kind": "fit", "config": plan.fit("scratch/s500", 1e-3, 0).config, "steps": 5000, "wall_seconds": 800.0,
+              "resumed_from": 3000},  # this attempt ran 2,000 steps, 0.4 s each
     }
     long, short = plan.fit("scratch/s10100", 1e-3, 0), plan.fit("scratch/s1100", 1e-3, 0)
     tuned, test = plan.fit("mpp/p600", 0.03, 0), Job("x/test", "test")
@@ -293,6 +296,8 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
     assert fitting(jobs, results, 1000) == [short, test, tuned]
     assert fitting(jobs, results, 4000) == [short, test, tuned]
     assert fitting(jobs, results, 5) == [tuned]
+    assert estimate(long, results, done=5050) == pytest.approx(0.4 * 5050)  # half of it made
+    assert fitting(jobs, results, 3000, lambda job: 5050 if job is long else 0) == [long, short, test, tuned]
 
     class Waiting:  # one job ready, never finished
         def all_choices(self, results: dict) -> dict:
@@ -307,6 +312,9 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
     assert "no job that is ready can finish in the time left" in capsys.readouterr().out
     assert not run_folder(tmp_path, short.name).exists()
     assert without_time(["--within", "2", "--results", "r", "--within=1", "--report"]) == ["--results", "r"]
+    last_checkpoint(tmp_path, long.name).parent.mkdir(parents=True)
+    torch.save({"global_step": 5050}, last_checkpoint(tmp_path, long.name))  # a fit stopped half way
+    assert [steps_done(tmp_path, job) for job in (long, short, Job(long.name + "/test", "test", checkpoint=long.name))] == [5050, 0, 0]
 
 
 def test_wall_time_counts_invocations_side_by_side_once() -> None:
