@@ -28,6 +28,7 @@ from experiments.timing import fitting
 
 WATCH_SECONDS = 1.0  # how often a worker looks whether its study is still there
 STOP_GRACE_SECONDS = 30.0  # then a worker whose study is gone exits, stopped or not
+NOTE_SECONDS = 60.0  # how often a study notes that it is still running (attempts.json)
 
 
 def run_folder(out: Path, name: str) -> Path:
@@ -331,7 +332,7 @@ def run_study(
     attempts_path = out / "attempts.json"
     attempts = json.loads(attempts_path.read_text()) if attempts_path.exists() else []
 
-    def note_progress() -> None:  # after every job too, so that a killed invocation still counts
+    def note_progress() -> None:  # every job and minute too, so that a killed invocation still counts
         progress.end = time.time()
         attempts_path.write_text(json.dumps([*attempts, asdict(progress)], indent=1))
 
@@ -357,7 +358,8 @@ def run_study(
                 break
             if not running:
                 raise RuntimeError("the study cannot go on: no job is ready and none is running")
-            done, _ = wait(list(running.values()), return_when=FIRST_COMPLETED)
+            done, _ = wait(list(running.values()), timeout=NOTE_SECONDS, return_when=FIRST_COMPLETED)
+            note_progress()
             for name in [n for n, f in running.items() if f in done]:
                 future = running.pop(name)
                 try:
