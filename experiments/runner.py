@@ -346,7 +346,9 @@ def run_study(
             if finished or (failures and not running):
                 break
             if until is not None:
-                ready = fitting(ready, results, until - time.time(), lambda job: steps_done(out, job))
+                # a running job's checkpoint may be half written, and its estimate is not needed
+                made = lambda job: 0 if job.name in running else steps_done(out, job)  # noqa: E731
+                ready = fitting(ready, results, until - time.time(), made)
             for job in ready:
                 if len(running) >= jobs or failures:
                     break
