@@ -9,7 +9,7 @@ budget; and supervised pretraining on the labelled images at the same budgets.
     python -m experiments.curve --quick --out runs/curve-quick   # a few steps on the embedded sample
 
 Every learning rate is chosen on the validation split with the first seed, from a grid that extends
-past its edge while its best value is there (at most --extensions times); the from-scratch step count
+past its edge while its best value is there (at most 6 times); the from-scratch step count
 (the plateau) is the one whose final runs are best on validation, the mean over seeds. The test set is
 read once per final run and once per frozen pretrained encoder, after the choices of its point.
 Runs resume: the same command again goes on where it stopped, and --budgets may add budgets later
@@ -55,7 +55,7 @@ class Curve:
     study: Settings
     budgets: tuple[int, ...]
     supervised: bool = True
-    extensions: int = 3
+    extensions: int = 6
     more_seeds: int = 2  # seeds added to both points of a paired difference whose interval holds zero
 
     @property
@@ -279,7 +279,7 @@ def curve_from(args: argparse.Namespace) -> Curve:
         frozen_max_train=1000 if quick else 10000,
         selected_arms=("scratch", "matched", "mpp", "supervised"),
     )
-    return Curve(study, budgets, supervised=args.supervised, extensions=1 if quick else 3, more_seeds=1 if quick else 2)
+    return Curve(study, budgets, supervised=args.supervised, extensions=1 if quick else 6, more_seeds=1 if quick else 2)
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -322,14 +322,17 @@ def outline(curve: Curve) -> list[str]:
 
 
 def extends(saved: dict[str, Any], curve: Curve) -> bool:
-    """Whether a curve saved with `saved` goes on as `curve`: the same, or with budgets added."""
+    """Whether a curve saved with `saved` goes on as `curve`: the same, or with budgets added or grids
+    allowed more extensions."""
 
     def rest(values: dict[str, Any]) -> dict[str, Any]:
         defaults = {"more_seeds": 2}  # settings a curve saved before they existed had these values
-        return {**defaults, **values, "budgets": None, "study": {**values["study"], "pretrain_steps": None}}
+        return {**defaults, **values, "budgets": None, "extensions": None,
+                "study": {**values["study"], "pretrain_steps": None}}  # fmt: skip
 
     mine = json.loads(json.dumps(curve.as_dict()))
-    return rest(saved) == rest(mine) and set(saved["budgets"]) <= set(mine["budgets"])
+    grows = set(saved["budgets"]) <= set(mine["budgets"]) and saved["extensions"] <= mine["extensions"]
+    return rest(saved) == rest(mine) and grows
 
 
 def without_time(args: Sequence[str]) -> list[str]:

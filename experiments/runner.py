@@ -291,14 +291,20 @@ class Progress:
     finished: list[str] = field(default_factory=list)
 
 
+def decided(choice: dict[str, Any]) -> dict[str, Any]:
+    """What a choice chose, less the record of the grid it chose from and the time it was made."""
+    return {key: value for key, value in choice.items() if key not in ("time", "val_accuracy", "extended", "edge")}
+
+
 def record_choices(out: Path, choices: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
-    """Write every choice made so far to choices.json, each with the time it was first made."""
+    """Write every choice made so far to choices.json, each with the time it was first made: a grid that
+    grew past its edge and kept what it chose (its lr, or the plateau's steps) keeps that time."""
     path = out / "choices.json"
     known = json.loads(path.read_text()) if path.exists() else {}
     for key, choice in choices.items():
         if choice is None:
             continue
-        if key in known and {k: v for k, v in known[key].items() if k != "time"} == choice:
+        if key in known and decided(known[key]) == decided(choice):
             choice = {**choice, "time": known[key]["time"]}
         known[key] = {**choice, "time": choice.get("time", time.time())}
     path.write_text(json.dumps(known, indent=1))

@@ -6,6 +6,7 @@ point's choice. Run end to end (--quick) by tests/test_readme.py, as docs/result
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,7 +17,15 @@ from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, ou
 from experiments.curve_report import audit, conclusions, loss_correlation
 from experiments.ledger import ledger_of, restore, write_ledger
 from experiments.plan import Job
-from experiments.runner import checkpoint_of, last_checkpoint, read_results, run_folder, run_study, steps_done
+from experiments.runner import (
+    checkpoint_of,
+    last_checkpoint,
+    read_results,
+    record_choices,
+    run_folder,
+    run_study,
+    steps_done,
+)
 from experiments.timing import elapsed, estimate, fitting
 
 
@@ -64,12 +73,14 @@ def test_a_grid_extends_past_the_edge_its_best_is_at_until_the_best_is_inside() 
     scratch = "scratch/s500"
     for lr in (1e-3, 3e-3):
         finish(results, plan.fit(scratch, lr, 0).name, 0.8 if lr == 1e-3 else 0.7)
+    three = CurvePlan(dataclasses.replace(full(), extensions=3))
     for low in (3.33e-4, 1.11e-4, 3.7e-5):
-        assert plan.grid(scratch, results)[0][0] == low
+        assert three.grid(scratch, results)[0][0] == low == plan.grid(scratch, results)[0][0]
         finish(results, plan.fit(scratch, low, 0).name, 0.9)
-    lrs, choice = plan.grid(scratch, results)
+    lrs, choice = three.grid(scratch, results)
     assert lrs == [3.7e-5, 1.11e-4, 3.33e-4, 1e-3, 3e-3] and choice is not None
     assert choice["lr"] == 3.7e-5 and choice["edge"] and choice["extended"] == 3  # ties go to the smaller lr
+    assert plan.c.extensions == 6 and plan.grid(scratch, results) == ([1.23e-5, *lrs], None)  # the default goes on
     assert next_lr(0.03, 0.06) == 0.12 and next_lr(3e-3, 1e-3) == 0.000333
 
 
@@ -209,6 +220,31 @@ def test_a_curve_goes_on_with_budgets_added_but_not_with_other_settings(tmp_path
     saved = json.loads(json.dumps(full(budgets=[600, 2400]).as_dict()))
     assert extends(saved, full(budgets=[600, 2400])) and extends(saved, full())
     assert not extends(saved, full(budgets=[600])) and not extends(saved, full(seeds=5))
+    # A curve saved when its grids extended at most 3 times goes on with 6 (its grids at the edge grow on),
+    # not the other way round.
+    fewer = json.loads(json.dumps(dataclasses.replace(full(), extensions=3).as_dict()))
+    assert extends(fewer, full()) and not extends(saved, dataclasses.replace(full(), extensions=3))
+
+
+def test_a_grid_that_grows_and_keeps_its_choice_keeps_the_time_it_was_made(tmp_path: Path, monkeypatch) -> None:
+    """A test read after a point's choice stays after it when the grid grows past its edge and the new
+    value loses; when the new value wins, the choice is new and so is its time."""
+    clock = iter(range(100, 200))
+    monkeypatch.setattr("experiments.runner.time.time", lambda: float(next(clock)))
+    choice = {"lr": 0.00375, "seed": 0, "val_accuracy": {"lr0.00375": 0.86, "lr0.0075": 0.85}, "extended": 3,
+              "edge": True}  # fmt: skip
+    first = record_choices(tmp_path, {"supervised/p9600": choice})["supervised/p9600"]["time"]
+    grown = {**choice, "val_accuracy": {"lr0.001875": 0.84, **choice["val_accuracy"]}, "extended": 4, "edge": False}
+    kept = record_choices(tmp_path, {"supervised/p9600": None})["supervised/p9600"]  # while the grid grows
+    assert kept["time"] == first and kept["extended"] == 3
+    kept = record_choices(tmp_path, {"supervised/p9600": grown})["supervised/p9600"]
+    assert kept["time"] == first and kept["extended"] == 4 and "lr0.001875" in kept["val_accuracy"]
+    moved = {**grown, "lr": 0.001875, "val_accuracy": {**grown["val_accuracy"], "lr0.001875": 0.87}}
+    assert record_choices(tmp_path, {"supervised/p9600": moved})["supervised/p9600"]["time"] > first
+    plateau = {"steps": 2900, "lr": 0.001, "val_accuracy": {"2900": 0.79}, "edge": True}
+    first = record_choices(tmp_path, {"scratch/plateau": plateau})["scratch/plateau"]["time"]
+    longer = {**plateau, "steps": 10100, "val_accuracy": {"2900": 0.79, "10100": 0.80}}  # the same lr, not the same choice
+    assert record_choices(tmp_path, {"scratch/plateau": longer})["scratch/plateau"]["time"] > first
 
 
 def test_the_points_of_a_difference_whose_interval_holds_zero_get_two_more_seeds() -> None:
