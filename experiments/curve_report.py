@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.curve import LABELS, Curve, CurvePlan, outline, pretrain_name  # noqa: E402
-from experiments.plan import Job, kind_of  # noqa: E402
+from experiments.plan import Job, kind_of, lr_name  # noqa: E402
 from experiments.report import interval, pct, write_results  # noqa: E402
 from experiments.runner import read_results, test_reads  # noqa: E402
 from experiments.stats import paired, summarise  # noqa: E402
@@ -57,6 +57,16 @@ def _point(
     return entry
 
 
+def _earlier_choice(job: str, choices: dict[str, Any]) -> str | None:
+    """The learning rate of a final run's test (b<labels>/<point>/lr<lr>/seed<n>/test) whose point has
+    chosen another since (its grid grew past its edge after the read), else None."""
+    parts = job.split("/")
+    if len(parts) != 6 or parts[-1] != "test" or not parts[3].startswith("lr"):
+        return None
+    choice = choices.get("/".join(parts[1:3]))
+    return parts[3] if choice and lr_name(choice["lr"]) != parts[3] else None
+
+
 def audit(
     plan: CurvePlan, choices: dict[str, Any], reads: list[dict[str, Any]], widened: set[str] | None = None
 ) -> dict[str, Any]:
@@ -70,7 +80,9 @@ def audit(
         counts[read["job"]] = counts.get(read["job"], 0) + 1
         point = owner.get(read["job"])
         if point is None:
-            problems.append(f"{read['job']} read the test set but is no final evaluation")
+            earlier = _earlier_choice(read["job"], choices)
+            what = f"at {earlier}, which its point no longer chooses" if earlier else "but is no final evaluation"
+            problems.append(f"{read['job']} read the test set {what}")
         elif None not in (read["time"], choices[point]["time"]) and read["time"] < choices[point]["time"]:
             problems.append(f"{read['job']} read the test set before its point's choice")
     problems += [f"{name} read the test set {n} times" for name, n in counts.items() if n > 1]

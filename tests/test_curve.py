@@ -177,6 +177,12 @@ def test_the_audit_flags_reads_that_are_no_evaluation_are_repeated_or_come_befor
         f"{evaluations[0]} read the test set before its point's choice",
         f"{evaluations[0]} read the test set 2 times",
     ]
+    # A test of a final run whose point chose another lr after the read (its grid grew past its edge)
+    other = "0.01" if choices["mpp/p600"]["lr"] != 0.01 else "0.02"
+    stale = f"b1000/mpp/p600/lr{other}/seed1/test"
+    assert audit(plan, choices, [*reads, {"job": stale, "time": 150.0}])["problems"] == [
+        f"{stale} read the test set at lr{other}, which its point no longer chooses"
+    ]
 
 
 def test_conclusions_say_no_more_than_the_intervals() -> None:
