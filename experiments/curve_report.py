@@ -71,9 +71,12 @@ def audit(
     plan: CurvePlan, choices: dict[str, Any], reads: list[dict[str, Any]], widened: set[str] | None = None
 ) -> dict[str, Any]:
     """Whether the test set was read only by evaluations of chosen points (with the seeds `widened` adds),
-    each once, after its point's choice."""
-    owner = {job.name: point for point, choice in choices.items() if choice and point != "scratch/plateau"
-             for job in plan.evaluations(point, choice["lr"], plan.seeds(point, widened or set()))}  # fmt: skip
+    each once, a final run's test after its point's choice (a frozen encoder's evaluation depends on no
+    choice: it evaluates the pretraining run)."""
+    evaluations = [(job, point) for point, choice in choices.items() if choice and point != "scratch/plateau"
+                   for job in plan.evaluations(point, choice["lr"], plan.seeds(point, widened or set()))]  # fmt: skip
+    owner = {job.name: point for job, point in evaluations}
+    chosen = {job.name for job, _ in evaluations if job.kind == "test"}  # what its point's choice decides
     counts: dict[str, int] = {}
     problems = []
     for read in reads:
@@ -83,7 +86,11 @@ def audit(
             earlier = _earlier_choice(read["job"], choices)
             what = f"at {earlier}, which its point no longer chooses" if earlier else "but is no final evaluation"
             problems.append(f"{read['job']} read the test set {what}")
-        elif None not in (read["time"], choices[point]["time"]) and read["time"] < choices[point]["time"]:
+        elif (
+            read["job"] in chosen
+            and None not in (read["time"], choices[point]["time"])
+            and read["time"] < choices[point]["time"]
+        ):
             problems.append(f"{read['job']} read the test set before its point's choice")
     problems += [f"{name} read the test set {n} times" for name, n in counts.items() if n > 1]
     done = len({read["job"] for read in reads} & set(owner))

@@ -177,6 +177,9 @@ def test_the_audit_flags_reads_that_are_no_evaluation_are_repeated_or_come_befor
         f"{evaluations[0]} read the test set before its point's choice",
         f"{evaluations[0]} read the test set 2 times",
     ]
+    # A frozen encoder's evaluation depends on no choice: read before it, it is no problem.
+    frozen = [{"job": read["job"], "time": 50.0 if read["job"].startswith("frozen/") else 200.0} for read in reads]
+    assert any(read["time"] == 50.0 for read in frozen) and audit(plan, choices, frozen)["problems"] == []
     # A test of a final run whose point chose another lr after the read (its grid grew past its edge)
     other = "0.01" if choices["mpp/p600"]["lr"] != 0.01 else "0.02"
     stale = f"b1000/mpp/p600/lr{other}/seed1/test"
