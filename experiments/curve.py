@@ -11,7 +11,7 @@ budget; and supervised pretraining on the labelled images at the same budgets.
 Every learning rate is chosen on the validation split with the first seed, from a grid that extends
 past its edge while its best value is there (at most 6 times); the from-scratch step count
 (the plateau) is the one whose final runs are best on validation, the mean over seeds. The test set is
-read once per final run and once per frozen pretrained encoder, after the choices of its point.
+read once per final run, after its point's choice, and once per frozen pretrained encoder.
 Runs resume: the same command again goes on where it stopped, and --budgets may add budgets later
 (the runs already made are kept). With --results, the finished runs' numbers go there too (ledger.json,
 experiments.ledger), and the same command on a fresh checkout restores them and goes on; a run stopped
