@@ -209,23 +209,39 @@ def steps_list(budgets: list[int]) -> str:
     return (", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]) + " pretraining steps"
 
 
+def pearson(xs: Any, ys: Any) -> float | None:
+    """Pearson's r, or None where either side is constant (no correlation to speak of)."""
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
+        return None
+
+
 def loss_correlation(curve: Curve, points: dict[str, Any]) -> dict[str, Any] | None:
     """Pearson's r between an MPP pretraining run's final validation loss and the test top-1 of the run
-    that fine-tunes it, over every (budget, seed) measured; None before two budgets are."""
-    pairs, budgets = [], 0
+    that fine-tunes it, over every (budget, seed) measured, and within each budget of 3 or more seeds
+    (does the loss rank the seeds of one budget, or only the budgets?); None before two budgets are."""
+    pairs: list[tuple[float, float]] = []
+    within: dict[str, dict[str, Any]] = {}
     for budget in curve.budgets:
         entry = points.get(f"mpp/p{budget}")
         if entry and entry.get("pretrain_val_loss"):
-            budgets += 1
-            pairs += list(zip(entry["pretrain_val_loss"]["values"], entry["test_accuracy"]["values"]))
-    if budgets < 2:
+            seeds = list(zip(entry["pretrain_val_loss"]["values"], entry["test_accuracy"]["values"]))
+            pairs += seeds
+            within[str(budget)] = {"n": len(seeds), "pearson_r": pearson(*zip(*seeds)) if len(seeds) >= 3 else None}
+    if len(within) < 2:
         return None
-    losses, accuracies = zip(*pairs)
-    try:
-        r: float | None = statistics.correlation(losses, accuracies)
-    except statistics.StatisticsError:  # a constant: no correlation to speak of
-        r = None
-    return {"n": len(pairs), "pearson_r": r}
+    return {"n": len(pairs), "pearson_r": pearson(*zip(*pairs)), "within": within}
+
+
+def within_budgets(within: dict[str, dict[str, Any]]) -> str:
+    """'; within a budget (its seeds only): 600: +0.35 (5), ...', for the budgets with an r of their own."""
+    named = [
+        f"{int(budget):,}: {entry['pearson_r']:+.2f} ({entry['n']})"
+        for budget, entry in within.items()
+        if entry["pearson_r"] is not None
+    ]
+    return "; within a budget (its seeds only): " + ", ".join(named) if named else ""
 
 
 def cell(entry: dict[str, Any] | None, seeds: int) -> str:
@@ -299,7 +315,9 @@ def render(record: dict[str, Any], command: str) -> str:
     if record["loss_predicts"] and record["loss_predicts"]["pearson_r"] is not None:
         r = record["loss_predicts"]
         lines.append(
-            f"- MPP's pretraining validation loss against its fine-tuned test top-1: Pearson r = {r['pearson_r']:.2f} over {r['n']} runs."
+            f"- MPP's pretraining validation loss against its fine-tuned test top-1: Pearson r = {r['pearson_r']:.2f} over {r['n']} runs"
+            + within_budgets(r.get("within", {}))
+            + "."
         )
     audit, wall = record["test_set"], record["wall_seconds"]
     problems = (

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, outline, val_every, without_time
-from experiments.curve_report import audit, conclusions, loss_correlation
+from experiments.curve_report import audit, conclusions, loss_correlation, within_budgets
 from experiments.ledger import ledger_of, restore, write_ledger
 from experiments.plan import Job
 from experiments.runner import (
@@ -222,7 +222,14 @@ def test_conclusions_say_no_more_than_the_intervals() -> None:
     points = {"mpp/p600": {"pretrain_val_loss": {"values": [1.0, 0.9]}, "test_accuracy": {"values": [0.6, 0.7]}}}
     assert loss_correlation(full(budgets=[600, 2400]), points) is None  # one budget: seeds only
     points["mpp/p2400"] = {"pretrain_val_loss": {"values": [0.8, 0.7]}, "test_accuracy": {"values": [0.8, 0.9]}}
-    assert loss_correlation(full(budgets=[600, 2400]), points) == {"n": 4, "pearson_r": pytest.approx(-1.0)}
+    within = {"600": {"n": 2, "pearson_r": None}, "2400": {"n": 2, "pearson_r": None}}  # 2 seeds: no r of their own
+    assert loss_correlation(full(budgets=[600, 2400]), points) == {"n": 4, "pearson_r": pytest.approx(-1.0), "within": within}
+    # Within a budget of 3 seeds the loss may rank them the other way round from the budgets.
+    points["mpp/p2400"] = {"pretrain_val_loss": {"values": [0.8, 0.7, 0.75]}, "test_accuracy": {"values": [0.9, 0.8, 0.85]}}
+    correlation = loss_correlation(full(budgets=[600, 2400]), points)
+    assert correlation is not None and correlation["pearson_r"] < 0
+    assert correlation["within"]["2400"] == {"n": 3, "pearson_r": pytest.approx(1.0)}
+    assert within_budgets(correlation["within"]) == "; within a budget (its seeds only): 2,400: +1.00 (3)"
 
 
 def test_a_curve_goes_on_with_budgets_added_but_not_with_other_settings(tmp_path: Path) -> None:
