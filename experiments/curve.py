@@ -2,7 +2,8 @@
 budgets of optimiser steps (each its own run with its own warmup and cosine decay), each fine-tuned at
 1,000 labels; beside it training from scratch over a grid of step counts, whose best on validation is
 its plateau and whose runs of pretraining + fine-tuning steps are the matched-compute arm of each
-budget; and supervised pretraining on the labelled images at the same budgets.
+budget; supervised pretraining on the labelled images at the same budgets; and the hybrid (the same ViT
+on a small ResNet stem) from scratch over the same grid of step counts, to its own plateau.
 
     python -m experiments.curve --plan                     # what it runs, and how many steps
     python -m experiments.curve --results results/curve    # run (or go on), then the table, JSON and picture
@@ -45,16 +46,19 @@ LABELS = 1000  # the label budget of every fine-tuning and from-scratch run
 BUDGETS = (600, 2400, 9600)
 FINETUNE_LRS = (0.03, 0.06)  # where the full study chose (0.06 at the top of 0.03, 0.06): extends upwards
 SCRATCH_LRS = (1e-3, 3e-3)  # likewise 3e-3 at the top
+SCRATCH_ARMS = {"scratch": "scratch", "hybrid": "hybrid_scratch"}  # arms trained from scratch: their configs
 
 
 @dataclass(frozen=True)
 class Curve:
     """What a curve runs: `study` holds the splits, configs, seeds, fine-tuning steps and the first lr
-    grids (its pretrain_steps is the largest budget); `budgets` the pretraining steps of each point."""
+    grids (its pretrain_steps is the largest budget); `budgets` the pretraining steps of each point;
+    `hybrid` adds the hybrid from scratch over the from-scratch step grid, to its own plateau."""
 
     study: Settings
     budgets: tuple[int, ...]
     supervised: bool = True
+    hybrid: bool = True
     extensions: int = 6
     more_seeds: int = 2  # seeds added to both points of a paired difference whose interval holds zero
 
@@ -70,10 +74,12 @@ class Curve:
         return sorted({tune, *(budget + tune for budget in self.budgets)})
 
     def points(self) -> list[str]:
-        """Every point that chooses a learning rate: mpp/p<budget>, supervised/p<budget>, scratch/s<steps>."""
+        """Every point that chooses a learning rate: mpp/p<budget>, supervised/p<budget>, scratch/s<steps>
+        and hybrid/s<steps>."""
         pretrained = ["mpp", "supervised"] if self.supervised else ["mpp"]
+        scratch = ["scratch", "hybrid"] if self.hybrid else ["scratch"]
         return [f"{arm}/p{b}" for b in self.budgets for arm in pretrained] + [
-            f"scratch/s{n}" for n in self.scratch_steps
+            f"{arm}/s{n}" for arm in scratch for n in self.scratch_steps
         ]
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,20 +127,21 @@ class CurvePlan:
         return [self.pretrain(arm, budget, seed) for budget in self.c.budgets for seed in self.s.seeds for arm in arms]
 
     def fit(self, point: str, lr: float, seed: int) -> Job:
-        """A fine-tuning run (mpp/p<budget>, supervised/p<budget>) or a from-scratch run (scratch/s<steps>)."""
+        """A fine-tuning run (mpp/p<budget>, supervised/p<budget>) or a from-scratch run (scratch/s<steps>,
+        hybrid/s<steps>)."""
         arm, size = point.split("/")
-        steps = int(size[1:]) if arm == "scratch" else self.s.finetune_steps
+        steps = int(size[1:]) if arm in SCRATCH_ARMS else self.s.finetune_steps
         overrides = [
             "--data.train", self.s.splits.labels[LABELS], *self._seeded(seed, steps),
             "--model.init_args.optimizer.lr", f"{lr:g}",
         ]  # fmt: skip
-        config = "scratch" if arm == "scratch" else "finetune"
-        if arm != "scratch":
+        config = SCRATCH_ARMS.get(arm, "finetune")
+        if arm not in SCRATCH_ARMS:
             overrides += ["--model.init_args.pretrained", f"{{run:{pretrain_name(arm, int(size[1:]), seed)}}}"]
         return Job(fit_name(point, lr, seed), "fit", self.s.configs[config], tuple(overrides))
 
     def first_grid(self, point: str) -> tuple[float, ...]:
-        return self.s.scratch_lrs if point.startswith("scratch") else self.s.finetune_lrs
+        return self.s.scratch_lrs if point.split("/")[0] in SCRATCH_ARMS else self.s.finetune_lrs
 
     def grid(self, point: str, results: dict[str, dict]) -> tuple[list[float], dict[str, Any] | None]:
         """(the learning rates of a point's grid so far, its choice or None): the best final validation
@@ -194,25 +201,24 @@ class CurvePlan:
     def seeds(self, point: str, widened: set[str]) -> tuple[int, ...]:
         return self.s.seeds + (self.c.extra_seeds if point in widened else ())
 
-    def plateau(self, results: dict[str, dict], choices: dict[str, Any]) -> dict[str, Any] | None:
-        """The from-scratch step count whose final runs are best on validation (mean over seeds; ties
-        to fewer steps), once every step count's finals have finished."""
+    def plateau(self, results: dict[str, dict], choices: dict[str, Any], arm: str = "scratch") -> dict[str, Any] | None:
+        """The step count of a from-scratch arm whose final runs are best on validation (mean over seeds;
+        ties to fewer steps), once every step count's finals have finished."""
         means = {}
         for steps in self.c.scratch_steps:
-            choice = choices.get(f"scratch/s{steps}")
-            runs = (
-                [results.get(job.name) for job in self.finals(f"scratch/s{steps}", choice["lr"])] if choice else [None]
-            )
+            choice = choices.get(f"{arm}/s{steps}")
+            runs = [results.get(job.name) for job in self.finals(f"{arm}/s{steps}", choice["lr"])] if choice else [None]
             if any(run is None for run in runs):
                 return None
             means[steps] = sum(run["val_accuracy"] for run in runs) / len(runs)  # type: ignore[index]
         best = max(means, key=lambda n: (means[n], -n))
-        return {"steps": best, "lr": choices[f"scratch/s{best}"]["lr"], "val_accuracy": {str(n): v for n, v in means.items()},
+        return {"steps": best, "lr": choices[f"{arm}/s{best}"]["lr"], "val_accuracy": {str(n): v for n, v in means.items()},
                 "edge": best == max(means)}  # fmt: skip
 
     def all_choices(self, results: dict[str, dict]) -> dict[str, dict[str, Any] | None]:
         choices = {point: self.grid(point, results)[1] for point in self.c.points()}
-        choices["scratch/plateau"] = self.plateau(results, choices)
+        for arm in ("scratch", "hybrid") if self.c.hybrid else ("scratch",):
+            choices[f"{arm}/plateau"] = self.plateau(results, choices, arm)
         return choices
 
     def evaluations(self, point: str, lr: float, seeds: Sequence[int] | None = None) -> list[Job]:
@@ -223,7 +229,7 @@ class CurvePlan:
         jobs = [Job(job.name + "/test", "test", job.config, job.overrides, job.name, reads_test=True)
                 for job in self.finals(point, lr, seeds)]  # fmt: skip
         arm, size = point.split("/")
-        if arm != "scratch":
+        if arm not in SCRATCH_ARMS:
             for seed in seeds:
                 source = pretrain_name(arm, int(size[1:]), seed)
                 jobs.append(
@@ -243,7 +249,7 @@ class CurvePlan:
         for point in order:
             arm, size = point.split("/")
             seeds = self.seeds(point, widened)
-            if arm != "scratch":
+            if arm not in SCRATCH_ARMS:
                 wanted += [self.pretrain(arm, int(size[1:]), seed) for seed in seeds]
             lrs, choice = self.grid(point, results)
             wanted += [self.fit(point, lr, self.s.seeds[0]) for lr in lrs]
@@ -279,7 +285,15 @@ def curve_from(args: argparse.Namespace) -> Curve:
         frozen_max_train=1000 if quick else 10000,
         selected_arms=("scratch", "matched", "mpp", "supervised"),
     )
-    return Curve(study, budgets, supervised=args.supervised, extensions=1 if quick else 6, more_seeds=1 if quick else 2)
+    hybrid = getattr(args, "hybrid", True)
+    return Curve(
+        study,
+        budgets,
+        supervised=args.supervised,
+        hybrid=hybrid,
+        extensions=1 if quick else 6,
+        more_seeds=1 if quick else 2,
+    )
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -291,6 +305,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, help="seeds per point (default 3; --quick 2)")
     parser.add_argument("--supervised", action=argparse.BooleanOptionalAction, default=True,
                         help="supervised pretraining at each budget (default: on)")  # fmt: skip
+    parser.add_argument("--hybrid", action=argparse.BooleanOptionalAction, default=True,
+                        help="the hybrid from scratch to its plateau (default: on)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each with cores/jobs threads")
     parser.add_argument("--within", type=float, metavar="HOURS",
                         help="start only the runs expected to finish within HOURS (from the finished runs' "
@@ -314,7 +330,8 @@ def outline(curve: Curve) -> list[str]:
     lines = [
         f"pretraining budgets {list(curve.budgets)}; from-scratch steps {curve.scratch_steps}; seeds {list(s.seeds)}"
     ]
-    for kind in ("pretrain", "supervised", f"b{LABELS}/mpp", f"b{LABELS}/supervised", f"b{LABELS}/scratch"):
+    kinds = ("pretrain", "supervised", *(f"b{LABELS}/{arm}" for arm in ("mpp", "supervised", "scratch", "hybrid")))
+    for kind in kinds:
         steps = [steps_of(job) for job in jobs if job.name.startswith(kind + "/")]
         if steps:
             lines.append(f"{kind}: {len(steps)} runs, {sum(steps):,} steps")
@@ -322,16 +339,17 @@ def outline(curve: Curve) -> list[str]:
 
 
 def extends(saved: dict[str, Any], curve: Curve) -> bool:
-    """Whether a curve saved with `saved` goes on as `curve`: the same, or with budgets added or grids
-    allowed more extensions."""
+    """Whether a curve saved with `saved` goes on as `curve`: the same, or with budgets added, grids
+    allowed more extensions or the hybrid added."""
+    saved = {"more_seeds": 2, "hybrid": False, **saved}  # settings a curve saved before they existed had these
 
     def rest(values: dict[str, Any]) -> dict[str, Any]:
-        defaults = {"more_seeds": 2}  # settings a curve saved before they existed had these values
-        return {**defaults, **values, "budgets": None, "extensions": None,
+        return {**values, "budgets": None, "extensions": None, "hybrid": None,
                 "study": {**values["study"], "pretrain_steps": None}}  # fmt: skip
 
     mine = json.loads(json.dumps(curve.as_dict()))
     grows = set(saved["budgets"]) <= set(mine["budgets"]) and saved["extensions"] <= mine["extensions"]
+    grows = grows and saved["hybrid"] <= mine["hybrid"]
     return rest(saved) == rest(mine) and grows
 
 

@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from experiments.curve import LABELS, Curve, CurvePlan, outline, pretrain_name  # noqa: E402
+from experiments.curve import LABELS, SCRATCH_ARMS, Curve, CurvePlan, outline, pretrain_name  # noqa: E402
 from experiments.plan import Job, kind_of, lr_name  # noqa: E402
 from experiments.report import interval, pct, write_results  # noqa: E402
 from experiments.runner import read_results, test_reads  # noqa: E402
@@ -44,7 +44,7 @@ def _point(
         "wall_seconds": sum(results[job.name]["wall_seconds"] for job in finals.values()) / len(finals),
     }
     arm, size = point.split("/")
-    if arm != "scratch":
+    if arm not in SCRATCH_ARMS:
         sources = [pretrain_name(arm, int(size[1:]), seed) for seed in seeds]
         frozen = [results.get(f"frozen/{source}", {}).get("frozen") for source in sources]
         if any(scores is None for scores in frozen):
@@ -73,7 +73,7 @@ def audit(
     """Whether the test set was read only by evaluations of chosen points (with the seeds `widened` adds),
     each once, a final run's test after its point's choice (a frozen encoder's evaluation depends on no
     choice: it evaluates the pretraining run)."""
-    evaluations = [(job, point) for point, choice in choices.items() if choice and point != "scratch/plateau"
+    evaluations = [(job, point) for point, choice in choices.items() if choice and not point.endswith("/plateau")
                    for job in plan.evaluations(point, choice["lr"], plan.seeds(point, widened or set()))]  # fmt: skip
     owner = {job.name: point for job, point in evaluations}
     chosen = {job.name for job, _ in evaluations if job.kind == "test"}  # what its point's choice decides
@@ -139,7 +139,8 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
             key = f"{entry['cpu']} ({entry['precision']}, {threads}, torch {entry['torch']})"
             machines[key] = machines.get(key, 0) + 1
         kind = kind_of(Job(result["name"], result["kind"]))
-        kind = "from scratch" if "/scratch/" in result["name"] and kind == "fine-tuning" else kind
+        if kind == "fine-tuning":
+            kind = {"scratch": "from scratch", "hybrid": "hybrid from scratch"}.get(result["name"].split("/")[1], kind)
         wall[kind] = wall.get(kind, 0.0) + result["wall_seconds"]
     attempts = json.loads((out / "attempts.json").read_text()) if (out / "attempts.json").exists() else []
     return {
@@ -147,9 +148,11 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
         "plan": outline(curve),
         "points": points,
         "plateau": plateau,
+        "hybrid_plateau": choices.get("hybrid/plateau"),
         "rows": rows,
         "conclusions": conclusions(curve, rows),
         "loss_predicts": loss_correlation(curve, points),
+        "hybrid": hybrid_plateau(points, choices),
         "machines": machines,
         "widened": sorted(widened),
         "test_set": audit(plan, choices, test_reads(out), widened),
@@ -159,6 +162,25 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
             "attempts": sum(attempt.get("invocations", 1) for attempt in attempts),
             "jobs_by_kind": wall,
         },  # fmt: skip
+    }
+
+
+def hybrid_plateau(points: dict[str, Any], choices: dict[str, Any]) -> dict[str, Any] | None:
+    """The hybrid from scratch at its plateau against the ViT from scratch at its own: their test top-1
+    and the paired difference over the seeds both have; None until both plateaus have their tests."""
+    found: dict[str, tuple[int, dict[str, Any]]] = {}
+    for arm in ("hybrid", "scratch"):
+        plateau = choices.get(f"{arm}/plateau")
+        entry = points.get(f"{arm}/s{plateau['steps']}") if plateau else None
+        if not plateau or not entry:
+            return None
+        found[arm] = plateau["steps"], entry
+    hybrid, scratch = ({int(k): v for k, v in found[arm][1]["test_accuracy_by_seed"].items()} for arm in found)
+    steps, entry = found["hybrid"]
+    return {
+        "steps": steps,
+        "test_accuracy": entry["test_accuracy"],
+        "hybrid - plateau": paired(hybrid, scratch).as_dict(),
     }
 
 
@@ -281,20 +303,13 @@ def render(record: dict[str, Any], command: str) -> str:
             + " | ".join(interval(diffs[key]) if key in diffs else "–" for key in PAIRS)
             + " |"
         )
-    lines += ["", "### From scratch, by steps (the plateau is the best on validation)", "",
-              "| steps | lr (validation top-1 per lr, first seed) | validation top-1 | test top-1 |", "|---|---|---|---|"]  # fmt: skip
-    for point, entry in points.items():
-        if point.startswith("scratch/") and entry:
-            steps = int(point.split("/s")[1])
-            mark = " (plateau)" if plateau and plateau["steps"] == steps else ""
-            lines.append(
-                f"| {steps:,}{mark} | {lrs(entry)} | {pct(entry['validation'])} | {cell(entry['test_accuracy'], seeds)} |"
-            )
+    for arm, title in (("scratch", "From scratch"), ("hybrid", "Hybrid (ViT on a ResNet stem) from scratch")):
+        lines += by_steps(record, arm, title, seeds)
     lines += ["", "### Pretrained encoders: frozen on the test set, and the pretraining loss", "",
               "| pretraining | steps | lr chosen (validation top-1 per lr) | k-NN | linear probe | pretraining validation loss |",
               "|---|---|---|---|---|---|"]  # fmt: skip
     for point, entry in points.items():
-        if entry and not point.startswith("scratch/"):
+        if entry and point.split("/")[0] not in SCRATCH_ARMS:
             arm, size = point.split("/p")
             loss = entry["pretrain_val_loss"]
             shown = f"{loss['mean']:.4f} ± {loss['std']:.4f}" if loss else "–"
@@ -309,9 +324,16 @@ def render(record: dict[str, Any], command: str) -> str:
             f"- Given {c['more_seeds']} more seeds because a paired interval over the first {seeds} held zero (so"
             f" the number of seeds depended on those test numbers): {', '.join(record['widened'])}."
         )
-    if plateau:
-        edge = ", the top of its grid: more steps might still help" if plateau["edge"] else ""
-        lines.append(f"- The from-scratch plateau: {plateau['steps']:,} steps{edge}.")
+    for name, found in (("from-scratch", plateau), ("hybrid from-scratch", record.get("hybrid_plateau"))):
+        if found:
+            edge = ", the top of its grid: more steps might still help" if found["edge"] else ""
+            lines.append(f"- The {name} plateau: {found['steps']:,} steps{edge}.")
+    if record.get("hybrid"):
+        lines.append(
+            "- Hybrid from scratch − from scratch, each at its plateau: "
+            + interval(record["hybrid"]["hybrid - plateau"])
+            + f" ({record['hybrid']['hybrid - plateau']['n']} seeds)."
+        )
     if record["loss_predicts"] and record["loss_predicts"]["pearson_r"] is not None:
         r = record["loss_predicts"]
         lines.append(
@@ -331,6 +353,22 @@ def render(record: dict[str, Any], command: str) -> str:
               f"Wall time: {wall['elapsed'] / 3600:.1f} h over {wall['attempts']} invocation(s) (run time by kind: "
               + ", ".join(f"{k} {v / 3600:.1f} h" for k, v in wall["jobs_by_kind"].items()) + ")."]  # fmt: skip
     return "\n".join(lines)
+
+
+def by_steps(record: dict[str, Any], arm: str, title: str, seeds: int) -> list[str]:
+    """The table of a from-scratch arm's step counts, its plateau marked; none before its first choice."""
+    plateau = record["plateau"] if arm == "scratch" else record.get("hybrid_plateau")
+    rows = []
+    for point, entry in record["points"].items():
+        if point.startswith(arm + "/") and entry:
+            steps = int(point.split("/s")[1])
+            mark = " (plateau)" if plateau and plateau["steps"] == steps else ""
+            rows.append(
+                f"| {steps:,}{mark} | {lrs(entry)} | {pct(entry['validation'])} | {cell(entry['test_accuracy'], seeds)} |"
+            )
+    head = ["", f"### {title}, by steps (the plateau is the best on validation)", "",
+            "| steps | lr (validation top-1 per lr, first seed) | validation top-1 | test top-1 |", "|---|---|---|---|"]  # fmt: skip
+    return head + rows if rows else []
 
 
 def lrs(entry: dict[str, Any]) -> str:
@@ -359,6 +397,13 @@ def plot(record: dict[str, Any], path: Path) -> None:
             100 * low, 100 * high, color="grey", alpha=0.25, label=f"from scratch, plateau ({steps:,} steps), 95%"
         )
         left.axhline(100 * plateau["mean"], color="grey", lw=1)
+    hybrid = record.get("hybrid")
+    if hybrid:
+        found = hybrid["test_accuracy"]
+        low, high = (found["low"], found["high"]) if found["low"] is not None else (found["mean"],) * 2
+        label = f"hybrid from scratch, plateau ({hybrid['steps']:,} steps), 95%"
+        left.axhspan(100 * low, 100 * high, color="C8", alpha=0.2, label=label)
+        left.axhline(100 * found["mean"], color="C8", lw=1)
     left.set(xscale="log", xlabel="pretraining steps", ylabel=f"test top-1 at {LABELS:,} labels (%)")
     left.set_title("fine-tuned, 95% interval over seeds", fontsize=10)
     for arm in ("mpp", "supervised"):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, outline, val_every, without_time
-from experiments.curve_report import audit, conclusions, loss_correlation, within_budgets
+from experiments.curve_report import audit, conclusions, hybrid_plateau, loss_correlation, within_budgets
 from experiments.ledger import ledger_of, restore, write_ledger
 from experiments.plan import Job
 from experiments.runner import (
@@ -89,11 +89,12 @@ def test_jobs_start_with_the_cheapest_points_and_no_fit_reads_the_test_set() -> 
     ready, finished = plan.ready({})
     assert not finished
     names = [job.name for job in ready]
-    # Before anything ran: the 500-step from-scratch grid, then the 600-step pretraining, ...
-    assert names[:2] == ["b1000/scratch/s500/lr0.001/seed0", "b1000/scratch/s500/lr0.003/seed0"]
-    assert names[2:8] == [f"{kind}/p600/seed{s}" for kind in ("pretrain", "supervised") for s in (0, 1, 2)]
-    assert names[8:10] == ["b1000/scratch/s1100/lr0.001/seed0", "b1000/scratch/s1100/lr0.003/seed0"]
-    assert names[-1].startswith("b1000/scratch/s10100/")  # the longest runs last
+    # Before anything ran: the 500-step from-scratch grids (the ViT's, the hybrid's), then the 600-step
+    # pretraining, ...
+    assert names[:4] == [f"b1000/{arm}/s500/lr{lr}/seed0" for arm in ("scratch", "hybrid") for lr in ("0.001", "0.003")]
+    assert names[4:10] == [f"{kind}/p600/seed{s}" for kind in ("pretrain", "supervised") for s in (0, 1, 2)]
+    assert names[10:12] == ["b1000/scratch/s1100/lr0.001/seed0", "b1000/scratch/s1100/lr0.003/seed0"]
+    assert names[-1].startswith("b1000/hybrid/s10100/")  # the longest runs last
     assert not any(job.reads_test for job in ready)
     for job in ready:
         assert job.kind == "fit" and "--data.test" in job.overrides
@@ -110,7 +111,7 @@ def test_jobs_start_with_the_cheapest_points_and_no_fit_reads_the_test_set() -> 
 def made_up_test_accuracy(name: str) -> float:
     """A made-up test top-1: each arm its own, a little higher for each seed (so differences have std 0)."""
     seed = int(name.split("/seed")[1].split("/")[0])
-    return {"mpp": 0.75, "supervised": 0.78, "scratch": 0.70}[name.split("/")[1]] + 0.001 * seed
+    return {"mpp": 0.75, "supervised": 0.78, "scratch": 0.70, "hybrid": 0.73}[name.split("/")[1]] + 0.001 * seed
 
 
 def choose_everything(
@@ -143,6 +144,14 @@ def choose_everything(
     raise AssertionError("the curve never finished")
 
 
+def summarise_points(plan: CurvePlan, results: dict[str, dict], choices: dict) -> dict[str, dict]:
+    """The chosen points' numbers as the report has them (experiments.curve_report._point)."""
+    from experiments.curve_report import _point
+
+    return {point: _point(plan, point, choice, results, plan.c.study.seeds) for point, choice in choices.items()
+            if choice and not point.endswith("/plateau")}  # fmt: skip
+
+
 def test_the_plateau_is_the_step_count_best_on_validation_and_matched_compute_is_read_from_the_same_grid() -> None:
     plan, results = CurvePlan(full(budgets=[600, 2400])), {}
     choose_everything(plan, results, {500: 0.60, 1100: 0.70, 2900: 0.70})
@@ -150,14 +159,24 @@ def test_the_plateau_is_the_step_count_best_on_validation_and_matched_compute_is
     plateau = choices["scratch/plateau"]
     assert plateau is not None and plateau["steps"] == 1100 and not plateau["edge"]  # a tie goes to fewer steps
     assert plateau["lr"] == 3e-3 and set(plateau["val_accuracy"]) == {"500", "1100", "2900"}
+    # The hybrid goes over the same step grid, from scratch with its own config, to its own plateau.
+    hybrid = choices["hybrid/plateau"]
+    assert hybrid is not None and hybrid["steps"] == 1100 and hybrid["lr"] == 3e-3
+    job = plan.fit("hybrid/s2900", 1e-3, 1)
+    assert job.config == "configs/scratch/demo_hybrid.yaml" and not plan.needs(job)
+    assert job.overrides[job.overrides.index("--trainer.max_steps") + 1] == "2900"
+    entry = hybrid_plateau(summarise_points(plan, results, choices), choices)
+    assert entry is not None and entry["steps"] == 1100
+    assert entry["hybrid - plateau"]["mean"] == pytest.approx(0.03) and entry["hybrid - plateau"]["n"] == 3
+    assert not any(job.reads_test for job in plan.evaluations("hybrid/s1100", 3e-3) if job.kind == "frozen")
     # Every point's finals have a test; the pretrained points' encoders a frozen evaluation each.
     tests = [name for name in results if name.endswith("/test")]
     assert len(tests) == 3 * len(plan.c.points()) and len([n for n in results if n.startswith("frozen/")]) == 3 * 4
     # No extra runs for matched compute: a budget's matched arm is the from-scratch run of its length.
     assert not any("matched" in name for name in results)
-    # With a step count added, the plateau may move; the runs made stay.
+    # With a step count added, the plateaus may move; the runs made stay.
     grown = CurvePlan(full(budgets=[600, 2400, 9600]))
-    assert grown.all_choices(results)["scratch/plateau"] is None
+    assert grown.all_choices(results)["scratch/plateau"] is None and grown.all_choices(results)["hybrid/plateau"] is None
     assert all(name in {j.name for j in grown.jobs(results)[0]} for name in results if "p9600" not in name)
 
 
@@ -240,6 +259,9 @@ def test_a_curve_goes_on_with_budgets_added_but_not_with_other_settings(tmp_path
     # not the other way round.
     fewer = json.loads(json.dumps(dataclasses.replace(full(), extensions=3).as_dict()))
     assert extends(fewer, full()) and not extends(saved, dataclasses.replace(full(), extensions=3))
+    # A curve saved before the hybrid was in it goes on with the hybrid added, not the other way round.
+    before = {key: value for key, value in saved.items() if key != "hybrid"}
+    assert extends(before, full(budgets=[600, 2400])) and not extends(saved, full(budgets=[600, 2400], hybrid=False))
 
 
 def test_a_grid_that_grows_and_keeps_its_choice_keeps_the_time_it_was_made(tmp_path: Path, monkeypatch) -> None:

@@ -385,6 +385,7 @@ def check_output(user: Path, argv: list[str], stdout: str) -> None:
     elif tool == "curve":
         assert re.search(r"^\| 4 \| \d+\.\d ± \d+\.\d \[", stdout, re.M), stdout[-3000:]
         assert "MPP fine-tuned − from scratch, plateau: " in stdout
+        assert "- Hybrid from scratch − from scratch, each at its plateau: " in stdout, stdout[-3000:]
         written = {path.name for path in (user / argv[argv.index("--results") + 1]).iterdir()}
         assert written == {"curve.json", "curve.md", "curve.png", "ledger.json"}
     if tool == "leakage":
