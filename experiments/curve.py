@@ -165,8 +165,12 @@ class CurvePlan:
         return [self.fit(point, lr, seed) for seed in (self.s.seeds if seeds is None else seeds)]
 
     def pairs(self, choices: dict[str, Any]) -> list[tuple[str, str, str]]:
-        """(budget, first point, second point) of every paired difference the curve reports."""
+        """(budget, first point, second point) of every paired difference the curve reports; the hybrid's
+        against the ViT's, each at its plateau, has the budget "plateau"."""
         plateau, tune, found = choices.get("scratch/plateau"), self.s.finetune_steps, []
+        hybrid = choices.get("hybrid/plateau")
+        if plateau and hybrid:
+            found.append(("plateau", f"hybrid/s{hybrid['steps']}", f"scratch/s{plateau['steps']}"))
         for budget in self.c.budgets:
             mpp = f"mpp/p{budget}"
             if plateau:

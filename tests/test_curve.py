@@ -300,13 +300,20 @@ def test_the_points_of_a_difference_whose_interval_holds_zero_get_two_more_seeds
         assert f"pretrain/p600/seed{seed}" in results and f"supervised/p600/seed{seed}" in results
         assert f"frozen/pretrain/p600/seed{seed}" in results
         assert f"b1000/mpp/p600/lr0.06/seed{seed}/test" in results
-    assert not any("seed3" in name for name in results if "/scratch/" in name)
+    assert not any("seed3" in name for name in results if "/scratch/" in name or "/hybrid/" in name)
+    assert ("plateau", "hybrid/s500", "scratch/s500") in plan.pairs(choices)  # clear of zero: 3 seeds each
     reads = [{"job": name, "time": 1.0} for name in results if name.endswith("/test") or name.startswith("frozen/")]
     assert audit(plan, choices, reads, plan.widened(choices, results))["problems"] == []
     assert (
         "frozen/pretrain/p600/seed4 read the test set but is no final evaluation"
         in audit(plan, choices, reads)["problems"]
     )
+    # The hybrid and the ViT from scratch alike at their plateaus: both get seeds 3 and 4 there.
+    plan, results = CurvePlan(full(budgets=[600], supervised=False)), {}
+    choose_everything(plan, results, {500: 0.6}, test=lambda name: made_up_test_accuracy(name.replace("/hybrid/", "/scratch/")))
+    choices = {key: {**value, "time": 0.0} for key, value in plan.all_choices(results).items() if value}
+    assert {"hybrid/s500", "scratch/s500"} <= plan.widened(choices, results)
+    assert "b1000/hybrid/s500/lr0.003/seed4/test" in results and "b1000/scratch/s500/lr0.003/seed4/test" in results
 
 
 def test_a_ledger_brings_a_curves_finished_runs_to_a_fresh_run_folder(tmp_path: Path) -> None:
