@@ -73,13 +73,17 @@ class Curve:
         tune = self.study.finetune_steps
         return sorted({tune, *(budget + tune for budget in self.budgets)})
 
+    @property
+    def from_scratch(self) -> tuple[str, ...]:
+        """The arms trained from scratch over the step grid, each to its plateau."""
+        return ("scratch", "hybrid") if self.hybrid else ("scratch",)
+
     def points(self) -> list[str]:
         """Every point that chooses a learning rate: mpp/p<budget>, supervised/p<budget>, scratch/s<steps>
         and hybrid/s<steps>."""
         pretrained = ["mpp", "supervised"] if self.supervised else ["mpp"]
-        scratch = ["scratch", "hybrid"] if self.hybrid else ["scratch"]
         return [f"{arm}/p{b}" for b in self.budgets for arm in pretrained] + [
-            f"{arm}/s{n}" for arm in scratch for n in self.scratch_steps
+            f"{arm}/s{n}" for arm in self.from_scratch for n in self.scratch_steps
         ]
 
     def as_dict(self) -> dict[str, Any]:
@@ -221,7 +225,7 @@ class CurvePlan:
 
     def all_choices(self, results: dict[str, dict]) -> dict[str, dict[str, Any] | None]:
         choices = {point: self.grid(point, results)[1] for point in self.c.points()}
-        for arm in ("scratch", "hybrid") if self.c.hybrid else ("scratch",):
+        for arm in self.c.from_scratch:
             choices[f"{arm}/plateau"] = self.plateau(results, choices, arm)
         return choices
 
@@ -289,12 +293,11 @@ def curve_from(args: argparse.Namespace) -> Curve:
         frozen_max_train=1000 if quick else 10000,
         selected_arms=("scratch", "matched", "mpp", "supervised"),
     )
-    hybrid = getattr(args, "hybrid", True)
     return Curve(
         study,
         budgets,
         supervised=args.supervised,
-        hybrid=hybrid,
+        hybrid=args.hybrid,
         extensions=1 if quick else 6,
         more_seeds=1 if quick else 2,
     )

@@ -30,7 +30,7 @@ from experiments.timing import elapsed, estimate, fitting
 
 
 def full(**changes: object) -> Curve:
-    args = argparse.Namespace(quick=False, budgets=None, seeds=None, supervised=True)
+    args = argparse.Namespace(quick=False, budgets=None, seeds=None, supervised=True, hybrid=True)
     for key, value in changes.items():
         setattr(args, key, value)
     return curve_from(args)
