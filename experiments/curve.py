@@ -12,7 +12,8 @@ on a small ResNet stem) from scratch over the same grid of step counts, to its o
 Every learning rate is chosen on the validation split with the first seed, from a grid that extends
 past its edge while its best value is there (at most 6 times); the from-scratch step count
 (the plateau) is the one whose final runs are best on validation, the mean over seeds. The test set is
-read once per final run, after its point's choice, and once per frozen pretrained encoder.
+read once per final run, after its point's choice, and once per frozen pretrained encoder. A slot
+that would wait for a grid's first runs runs ahead the lr its first extension would take (`spares`).
 Runs resume: the same command again goes on where it stopped, and --budgets may add budgets later
 (the runs already made are kept). With --results, the finished runs' numbers go there too (ledger.json,
 experiments.ledger), and the same command on a fresh checkout restores them and goes on; a run stopped
@@ -245,16 +246,19 @@ class CurvePlan:
                 )
         return jobs
 
+    def order(self) -> list[str]:
+        """The points, the cheapest first (a pretrained point counts its pretraining and fine-tuning steps)."""
+        return sorted(
+            self.c.points(), key=lambda p: int(p.split("/")[1][1:]) + (0 if "/p" in p else -self.s.finetune_steps)
+        )
+
     def jobs(self, results: dict[str, dict]) -> tuple[list[Job], dict[str, dict[str, Any] | None]]:
         """Every job wanted so far, in the order to start them: the cheapest budgets first, the grids of
         each point, then its finals and evaluations once it is chosen."""
         choices = self.all_choices(results)
         widened = self.widened(choices, results)
         wanted = []
-        order = sorted(
-            self.c.points(), key=lambda p: int(p.split("/")[1][1:]) + (0 if "/p" in p else -self.s.finetune_steps)
-        )
-        for point in order:
+        for point in self.order():
             arm, size = point.split("/")
             seeds = self.seeds(point, widened)
             if arm not in SCRATCH_ARMS:
@@ -272,6 +276,43 @@ class CurvePlan:
         todo = [job for job in wanted if job.name not in results]
         ready = [job for job in todo if all(name in results for name in self.needs(job))]
         return ready, not todo and all(choice is not None for choice in choices.values())
+
+    def spares(self, results: dict[str, dict], running: set[str]) -> list[Job]:
+        """Fits to run ahead in a slot that would otherwise wait: for each point whose first lr grid has
+        all started and still runs, the first seed at the lr its first extension would take on the side
+        the same arm chose at the nearest smaller point with a choice (upwards without one). One guess a
+        point, and only for the first extension: a guess that misses costs one run in a slot that was
+        idle. A choice reads only the runs its grid wants, so a run ahead it never wants changes nothing
+        (the report names those runs)."""
+        choices, seed, found = self.all_choices(results), self.s.seeds[0], []
+        for point in self.order():
+            lrs, choice = self.grid(point, results)
+            names = [self.fit(point, lr, seed).name for lr in lrs]
+            if choice or lrs != list(self.first_grid(point)) or not self.c.extensions:
+                continue
+            if all(name in results or name in running for name in names) and any(name in running for name in names):
+                lr = next_lr(lrs[-2], lrs[-1]) if self.leans_up(point, lrs, choices) else next_lr(lrs[1], lrs[0])
+                found.append(self.fit(point, lr, seed))
+        return [job for job in found if all(name in results for name in self.needs(job))]
+
+    def leans_up(self, point: str, lrs: list[float], choices: dict[str, Any]) -> bool:
+        """Whether the lr the arm of `point` chose at its nearest smaller point with a choice is at or above
+        the middle of `lrs` (geometrically), or it chose none yet."""
+        arm, size = point.split("/")
+        smaller = [p for p in self.order() if p.split("/")[0] == arm and int(p.split("/")[1][1:]) < int(size[1:])]
+        chosen = [choices[p]["lr"] for p in smaller if choices.get(p)]
+        return not chosen or chosen[-1] * chosen[-1] >= lrs[0] * lrs[-1]
+
+    def unwanted(self, results: dict[str, dict]) -> list[str]:
+        """The fits run ahead (spares) that their point's grid does not want."""
+        wanted = {
+            self.fit(point, lr, self.s.seeds[0]).name
+            for point in self.c.points()
+            for lr in self.grid(point, results)[0]
+        }
+        prefixes = tuple(f"b{LABELS}/{point}/lr" for point in self.c.points())
+        return sorted(name for name in results if name.startswith(prefixes) and name.endswith(f"/seed{self.s.seeds[0]}")
+                      and name not in wanted)  # fmt: skip
 
 
 def curve_from(args: argparse.Namespace) -> Curve:

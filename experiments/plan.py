@@ -196,6 +196,11 @@ class Plan:
                 )
         return jobs
 
+    def spares(self, results: dict[str, dict], running: set[str]) -> list[Job]:
+        """Nothing to run ahead: the study's grids are fixed, so every job it may want is ready or waits
+        for a run that is running."""
+        return []
+
     def ready(self, results: dict[str, dict]) -> tuple[list[Job], bool]:
         """(jobs to start now in this order, whether every job of the study has finished)."""
         s = self.s

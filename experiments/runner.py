@@ -318,6 +318,8 @@ class Planner(Protocol):
 
     def ready(self, results: dict[str, dict]) -> tuple[list[Job], bool]: ...
 
+    def spares(self, results: dict[str, dict], running: set[str]) -> list[Job]: ...
+
 
 def run_study(
     settings: Settings,
@@ -329,8 +331,10 @@ def run_study(
     until: float | None = None,
 ) -> dict[str, dict]:
     """Run every job of the study not yet finished under `out`, `jobs` at a time, as `plan` (default
-    the study's Plan) decides; returns all results. With `until` (a time.time()), start only the jobs
-    that experiments.timing expects to finish by then, longest first, and stop when none does."""
+    the study's Plan) decides; returns all results. A slot that no ready job takes runs a job the plan
+    may want later (its `spares`), and the study ends when those have ended too. With `until` (a
+    time.time()), start only the jobs that experiments.timing expects to finish by then, longest first,
+    and stop when none does."""
     out.mkdir(parents=True, exist_ok=True)
     plan = plan or Plan(settings)
     results = read_results(out)
@@ -349,17 +353,20 @@ def run_study(
         while True:
             record_choices(out, plan.all_choices(results))
             ready, finished = plan.ready(results)
-            if finished or (failures and not running):
+            if (finished or failures) and not running:
                 break
+            ahead = [name for name in running if name not in {job.name for job in ready}]  # spares not yet wanted
+            spares = [job for job in plan.spares(results, set(running)) if job.name not in results]
             if until is not None:
                 # a running job's checkpoint may be half written, and its estimate is not needed
                 made = lambda job: 0 if job.name in running else steps_done(out, job)  # noqa: E731
                 ready = fitting(ready, results, until - time.time(), made)
-            for job in ready:
-                if len(running) >= jobs or failures:
+                spares = fitting(spares, results, until - time.time(), made)
+            for job, spare in [(job, False) for job in ready] + [(job, True) for job in spares[:1]]:
+                if len(running) >= jobs or failures or (spare and ahead):  # one spare at a time
                     break
                 if job.name not in running:
-                    say(f"study: start {job.name}")
+                    say(f"study: start {job.name}" + (" (ahead: the plan may want it)" if spare else ""))
                     running[job.name] = pool.submit(run_job, job, out, settings)
             if not running and until is not None:
                 say("study: no job that is ready can finish in the time left; stopping")

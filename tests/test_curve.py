@@ -387,15 +387,62 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
         def ready(self, results: dict) -> tuple[list[Job], bool]:
             return [short], False
 
+        def spares(self, results: dict, running: set[str]) -> list[Job]:
+            return [long]
+
     (run_folder(tmp_path, "a")).mkdir(parents=True)
     (run_folder(tmp_path, "a") / "result.json").write_text(json.dumps({"name": "a", **results["a"]}))
     run_study(full().study, tmp_path, jobs=1, plan=Waiting(), until=0.0)
     assert "no job that is ready can finish in the time left" in capsys.readouterr().out
-    assert not run_folder(tmp_path, short.name).exists()
+    assert not run_folder(tmp_path, short.name).exists() and not run_folder(tmp_path, long.name).exists()
     assert without_time(["--within", "2", "--results", "r", "--within=1", "--report"]) == ["--results", "r"]
     last_checkpoint(tmp_path, long.name).parent.mkdir(parents=True)
     torch.save({"global_step": 5050}, last_checkpoint(tmp_path, long.name))  # a fit stopped half way
     assert [steps_done(tmp_path, job) for job in (long, short, Job(long.name + "/test", "test", checkpoint=long.name))] == [5050, 0, 0]
+
+
+def test_a_slot_that_would_wait_runs_ahead_the_lr_a_grid_may_want_next() -> None:
+    """While a point's first grid runs, a free slot takes its first extension on the side its arm chose at
+    the nearest smaller point; the choice never reads a run ahead that its grid does not want."""
+    plan, results = CurvePlan(full()), {}
+    point = "hybrid/s2900"
+    first = [plan.fit(point, lr, 0).name for lr in (1e-3, 3e-3)]
+    assert plan.spares(results, set()) == [] and plan.spares(results, {first[0]}) == []  # all started first
+    assert plan.spares(results, set(first)) == [plan.fit(point, 9e-3, 0)]  # nothing chosen below it: upwards
+    for lr, val in ((1e-3, 0.8), (3e-3, 0.7), (3.33e-4, 0.75)):
+        finish(results, plan.fit("hybrid/s1100", lr, 0).name, val)
+    assert plan.grid("hybrid/s1100", results)[1]["lr"] == 1e-3  # type: ignore[index]
+    finish(results, first[0], 0.8)
+    assert plan.spares(results, {first[1]}) == [plan.fit(point, 3.33e-4, 0)]  # 1e-3 chosen below: downwards
+    finish(results, plan.fit(point, 3.33e-4, 0).name, 0.9)  # run ahead, and best of all
+    finish(results, first[1], 0.85)
+    assert plan.grid(point, results) == ([1e-3, 3e-3, 9e-3], None)  # the grid went the other way
+    assert plan.spares(results, {plan.fit(point, 9e-3, 0).name}) == []  # one guess a point
+    finish(results, plan.fit(point, 9e-3, 0).name, 0.6)
+    assert plan.grid(point, results)[1]["lr"] == 3e-3  # type: ignore[index]
+    assert plan.unwanted(results) == [plan.fit(point, 3.33e-4, 0).name]
+    pretrained = [plan.fit("mpp/p600", lr, 0).name for lr in (0.03, 0.06)]
+    assert plan.spares({}, set(pretrained)) == []  # a fine-tuning run ahead waits for its pretraining too
+
+
+def test_a_study_runs_a_spare_in_a_slot_no_ready_job_takes_and_ends_after_it(tmp_path: Path, capsys) -> None:
+    wanted, spare = Job("wanted", "none"), Job("spare", "none")  # jobs that only record a result
+
+    class OneJob:
+        def all_choices(self, results: dict) -> dict:
+            return {}
+
+        def ready(self, results: dict) -> tuple[list[Job], bool]:
+            return ([] if "wanted" in results else [wanted]), "wanted" in results
+
+        def spares(self, results: dict, running: set[str]) -> list[Job]:
+            return [spare]
+
+    results = run_study(full().study, tmp_path, jobs=2, plan=OneJob())
+    assert set(results) == {"wanted", "spare"} == set(read_results(tmp_path))
+    assert "study: start spare (ahead: the plan may want it)" in capsys.readouterr().out
+    results = run_study(full().study, tmp_path, jobs=2, plan=OneJob())  # nothing left: a spare done is not run again
+    assert "study: start" not in capsys.readouterr().out
 
 
 def test_wall_time_counts_invocations_side_by_side_once() -> None:
