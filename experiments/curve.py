@@ -304,7 +304,7 @@ class CurvePlan:
         return not chosen or chosen[-1] * chosen[-1] >= lrs[0] * lrs[-1]
 
     def unwanted(self, results: dict[str, dict]) -> list[str]:
-        """The fits run ahead (spares) that their point's grid does not want."""
+        """The fits run ahead (spares) that their point's grid does not want so far."""
         wanted = {
             self.fit(point, lr, self.s.seeds[0]).name
             for point in self.c.points()

@@ -351,8 +351,8 @@ def render(record: dict[str, Any], command: str) -> str:
     done = f"{audit['evaluations_done']} of the {audit['evaluations']}"
     lines += [f"- {n} runs restored: {note}." for note, n in record.get("restored", {}).items()]
     if record.get("ahead_unwanted"):
-        lines.append("- Run ahead in a slot that would have waited, and not wanted by their grid (their time is in"
-                     f" the wall time): {', '.join(record['ahead_unwanted'])}.")  # fmt: skip
+        lines.append("- Runs made ahead in a slot that would have waited, which their grid does not want so far"
+                     f" (their time counts in the wall time): {', '.join(record['ahead_unwanted'])}.")  # fmt: skip
     lines += ["", f"Test set: read {audit['reads']} times, by {done} final evaluations the choices so far call for, {problems}.",
               f"Wall time: {wall['elapsed'] / 3600:.1f} h over {wall['attempts']} invocation(s) (run time by kind: "
               + ", ".join(f"{k} {v / 3600:.1f} h" for k, v in wall["jobs_by_kind"].items()) + ")."]  # fmt: skip
