@@ -13,7 +13,7 @@ Every learning rate is chosen on the validation split with the first seed, from 
 past its edge while its best value is there (at most 6 times); the from-scratch step count
 (the plateau) is the one whose final runs are best on validation, the mean over seeds. The test set is
 read once per final run, after its point's choice, and once per frozen pretrained encoder. A slot
-that would wait for a grid's first runs runs ahead the lr its first extension would take (`spares`).
+that would wait for a grid's runs runs ahead the lr its next extension would take (`spares`).
 Runs resume: the same command again goes on where it stopped, and --budgets may add budgets later
 (the runs already made are kept). With --results, the finished runs' numbers go there too (ledger.json,
 experiments.ledger), and the same command on a fresh checkout restores them and goes on; a run stopped
@@ -278,21 +278,21 @@ class CurvePlan:
         return ready, not todo and all(choice is not None for choice in choices.values())
 
     def spares(self, results: dict[str, dict], running: set[str]) -> list[Job]:
-        """Fits to run ahead in a slot that would otherwise wait: for each point whose first lr grid has
-        all started and still runs, the first seed at the lr its first extension would take on the side
-        the same arm chose at the nearest smaller point with a choice (upwards without one). One guess a
-        point, and only for the first extension: a guess that misses costs one run in a slot that was
-        idle. A choice reads only the runs its grid wants, so a run ahead it never wants changes nothing
-        (the report names those runs)."""
+        """Fits to run ahead in a slot that would otherwise wait: for each point whose lr grid so far has
+        all started and still runs, the first seed at the lr its next extension would take: on the side
+        the grid has extended, or for its first extension on the side the same arm chose at the nearest
+        smaller point with a choice (upwards without one). A guess that misses costs one run in a slot
+        that was idle: a choice reads only the runs its grid wants, so a run ahead it never wants changes
+        nothing (the report names those runs)."""
         choices, seed, found = self.all_choices(results), self.s.seeds[0], []
         for point in self.order():
             lrs, choice = self.grid(point, results)
-            names = [self.fit(point, lr, seed).name for lr in lrs]
-            if choice or lrs != list(self.first_grid(point)) or not self.c.extensions:
+            names, first = [self.fit(point, lr, seed).name for lr in lrs], list(self.first_grid(point))
+            if choice or len(lrs) - len(first) >= self.c.extensions:
                 continue
             if all(name in results or name in running for name in names) and any(name in running for name in names):
-                lr = next_lr(lrs[-2], lrs[-1]) if self.leans_up(point, lrs, choices) else next_lr(lrs[1], lrs[0])
-                found.append(self.fit(point, lr, seed))
+                up = lrs[-1] > first[-1] or (lrs == first and self.leans_up(point, lrs, choices))
+                found.append(self.fit(point, next_lr(lrs[-2], lrs[-1]) if up else next_lr(lrs[1], lrs[0]), seed))
         return [job for job in found if all(name in results for name in self.needs(job))]
 
     def leans_up(self, point: str, lrs: list[float], choices: dict[str, Any]) -> bool:

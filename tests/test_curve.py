@@ -402,8 +402,9 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
 
 
 def test_a_slot_that_would_wait_runs_ahead_the_lr_a_grid_may_want_next() -> None:
-    """While a point's first grid runs, a free slot takes its first extension on the side its arm chose at
-    the nearest smaller point; the choice never reads a run ahead that its grid does not want."""
+    """While a point's grid runs, a free slot takes its next extension: the first on the side its arm chose
+    at the nearest smaller point, a later one on the side the grid went; the choice never reads a run ahead
+    that its grid does not want."""
     plan, results = CurvePlan(full()), {}
     point = "hybrid/s2900"
     first = [plan.fit(point, lr, 0).name for lr in (1e-3, 3e-3)]
@@ -417,7 +418,8 @@ def test_a_slot_that_would_wait_runs_ahead_the_lr_a_grid_may_want_next() -> None
     finish(results, plan.fit(point, 3.33e-4, 0).name, 0.9)  # run ahead, and best of all
     finish(results, first[1], 0.85)
     assert plan.grid(point, results) == ([1e-3, 3e-3, 9e-3], None)  # the grid went the other way
-    assert plan.spares(results, {plan.fit(point, 9e-3, 0).name}) == []  # one guess a point
+    assert plan.spares(results, {plan.fit(point, 9e-3, 0).name}) == [plan.fit(point, 0.027, 0)]  # its side known
+    assert CurvePlan(dataclasses.replace(full(), extensions=1)).spares(results, {plan.fit(point, 9e-3, 0).name}) == []
     finish(results, plan.fit(point, 9e-3, 0).name, 0.6)
     assert plan.grid(point, results)[1]["lr"] == 3e-3  # type: ignore[index]
     assert plan.unwanted(results) == [plan.fit(point, 3.33e-4, 0).name]
