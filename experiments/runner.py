@@ -167,6 +167,30 @@ def frozen_scores(checkpoint: Path, shards: tuple[str, str], settings: Settings)
     }
 
 
+def fit(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
+    """Run (or resume from its last checkpoint) the fit `job` in its folder; returns its validation."""
+    folder = run_folder(out, job.name)
+    resume = last_checkpoint(out, job.name)
+    args = ["fit", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
+    args += checkpointing(folder, settings.checkpoint_every)
+    if resume.exists():
+        keep_metrics(folder / "metrics.csv")
+    cli(args + (["--ckpt_path", str(resume)] if resume.exists() else []))
+    curve = metric_curve(folder / "metrics.csv", "val/accuracy")
+    losses = metric_curve(folder / "metrics.csv", "val/loss")
+    return {"val_curve": curve, "val_accuracy": curve[-1][1] if curve else None,
+            "val_loss": losses[-1][1] if losses else None}  # fmt: skip
+
+
+def remade(out: Path, source: Job) -> bool:
+    """Whether a test must first make its finished fit `source` again: restored from a ledger, the fit has
+    its numbers but not its weights (no last checkpoint, or one short of its steps from a remake that
+    stopped half way). The remake runs the same recipe and seed in the fit's folder, resumably; the fit's
+    result.json keeps the numbers that its point's choices were made on."""
+    finished = (run_folder(out, source.name) / "result.json").exists()
+    return finished and steps_done(out, source) < steps_of(source)
+
+
 def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     """Run one job (in a worker process) and write its result.json; returns the result."""
     folder = run_folder(out, job.name)
@@ -177,18 +201,13 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     result |= {"config": job.config, "steps": steps_of(job), "resumed_from": steps_done(out, job)}
     with output_to(folder / "log.txt"):
         if job.kind == "fit":
-            resume = last_checkpoint(out, job.name)
-            args = ["fit", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
-            args += checkpointing(folder, settings.checkpoint_every)
-            if resume.exists():
-                keep_metrics(folder / "metrics.csv")
-            cli(args + (["--ckpt_path", str(resume)] if resume.exists() else []))
-            curve = metric_curve(folder / "metrics.csv", "val/accuracy")
-            result["val_curve"] = curve
-            result["val_accuracy"] = curve[-1][1] if curve else None
-            losses = metric_curve(folder / "metrics.csv", "val/loss")
-            result["val_loss"] = losses[-1][1] if losses else None
+            result |= fit(job, out, settings)
         elif job.kind == "test":
+            source = Job(job.checkpoint, "fit", job.config, job.overrides)  # the fit evaluated: same recipe
+            if remade(out, source):
+                result["remade"] = {"machines": note_machine(run_folder(out, source.name)),
+                                    "resumed_from": steps_done(out, source)}  # fmt: skip
+                result["remade"] |= fit(source, out, settings)
             args = ["test", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
             args += ["--data.test", settings.splits.test, "--ckpt_path", str(checkpoint_of(out, job.checkpoint))]
             note_test_read(out, job.name)

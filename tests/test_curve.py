@@ -22,7 +22,9 @@ from experiments.runner import (
     last_checkpoint,
     read_results,
     record_choices,
+    remade,
     run_folder,
+    run_job,
     run_study,
     steps_done,
 )
@@ -351,6 +353,30 @@ def test_a_ledger_brings_a_curves_finished_runs_to_a_fresh_run_folder(tmp_path: 
         assert plan.ready(read_results(folder)) == ([], True)
     with pytest.raises(FileNotFoundError, match="pretrain/p600/seed0 has no checkpoint"):
         checkpoint_of(fresh, "pretrain/p600/seed0")
+
+
+def test_a_final_test_of_a_restored_fit_makes_it_again_and_keeps_the_numbers_that_chose(tmp_path: Path) -> None:
+    """A restored fit has no weights: its test first makes it again (same recipe and seed, in its folder)
+    and records the remake's machine and validation beside the test; the fit's own result, which its
+    point's choice read, stays. A checkpoint short of the fit's steps (a remake stopped half way) is no
+    fit's weights either; a made fit's test makes nothing again."""
+    curve = curve_from(argparse.Namespace(quick=True, budgets=None, seeds=None, supervised=True, hybrid=True))
+    plan, settings = CurvePlan(curve), curve.study
+    job = plan.fit("scratch/s4", 1e-3, 0)
+    [test] = plan.evaluations("scratch/s4", 1e-3, [0])
+    made, fresh = tmp_path / "made", tmp_path / "fresh"
+    first = run_job(job, made, settings)
+    restore(ledger_of(made, {}), fresh)
+    assert not last_checkpoint(fresh, job.name).exists() and remade(fresh, job)
+    tested = run_job(test, fresh, settings)
+    assert steps_done(fresh, job) == 4 and not remade(fresh, job)
+    assert tested["remade"]["resumed_from"] == 0 and len(tested["remade"]["machines"]) == 1
+    assert tested["remade"]["val_accuracy"] == pytest.approx(first["val_accuracy"], abs=0.05)
+    assert read_results(fresh)[job.name] == json.loads(json.dumps(first))  # the numbers that chose, not the remake's
+    assert 0.0 <= tested["test_accuracy"] <= 1.0
+    assert "remade" not in run_job(test, made, settings)  # its own weights are there
+    torch.save({"global_step": 2}, last_checkpoint(fresh, job.name))
+    assert remade(fresh, job)
 
 
 def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_path: Path, capsys) -> None:
