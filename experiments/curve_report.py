@@ -144,6 +144,7 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
         wall[kind] = wall.get(kind, 0.0) + result["wall_seconds"]
     attempts = json.loads((out / "attempts.json").read_text()) if (out / "attempts.json").exists() else []
     return {
+        "remade": remade_runs(results),
         "curve": curve.as_dict(),
         "plan": outline(curve),
         "points": points,
@@ -164,6 +165,18 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
             "jobs_by_kind": wall,
         },  # fmt: skip
     }
+
+
+def remade_runs(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """The runs a test made again (restored without weights: experiments.runner.remade): the validation
+    their point chose on and the remake's, each with its CPU."""
+    found = {}
+    for name, result in results.items():
+        if "remade" in result:
+            run, again = results[name.removesuffix("/test")], result["remade"]
+            cpus = [" / ".join(sorted({m["cpu"] for m in entry["machines"]})) for entry in (run, again)]
+            found[run["name"]] = {"val_accuracy": [run["val_accuracy"], again["val_accuracy"]], "cpu": cpus}
+    return found
 
 
 def hybrid_plateau(points: dict[str, Any], choices: dict[str, Any]) -> dict[str, Any] | None:
@@ -350,6 +363,10 @@ def render(record: dict[str, Any], command: str) -> str:
         problems += f" ({audit['untimed']} reads restored without times, audited when they were made)"
     done = f"{audit['evaluations_done']} of the {audit['evaluations']}"
     lines += [f"- {n} runs restored: {note}." for note, n in record.get("restored", {}).items()]
+    for name, run in record.get("remade", {}).items():
+        (first, again), (cpu, remade_cpu) = run["val_accuracy"], run["cpu"]
+        lines.append(f"- {name}: made again for its test (restored without its weights); validation "
+                     f"{first:.1%} as chosen ({cpu}), {again:.1%} remade ({remade_cpu}).")  # fmt: skip
     if record.get("ahead_unwanted"):
         lines.append("- Runs made ahead in a slot that would have waited, which their grid does not want so far"
                      f" (their time counts in the wall time): {', '.join(record['ahead_unwanted'])}.")  # fmt: skip

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from experiments.curve import Curve, CurvePlan, curve_from, extends, next_lr, outline, val_every, without_time
-from experiments.curve_report import audit, conclusions, hybrid_plateau, loss_correlation, within_budgets
+from experiments.curve_report import (
+    audit,
+    conclusions,
+    hybrid_plateau,
+    loss_correlation,
+    render,
+    summarise_curve,
+    within_budgets,
+)
 from experiments.ledger import ledger_of, restore, write_ledger
 from experiments.plan import Job
 from experiments.runner import (
@@ -374,6 +382,11 @@ def test_a_final_test_of_a_restored_fit_makes_it_again_and_keeps_the_numbers_tha
     assert tested["remade"]["val_accuracy"] == pytest.approx(first["val_accuracy"], abs=0.05)
     assert read_results(fresh)[job.name] == json.loads(json.dumps(first))  # the numbers that chose, not the remake's
     assert 0.0 <= tested["test_accuracy"] <= 1.0
+    [(cpu, remade_cpu)] = [entry["cpu"] for entry in summarise_curve(curve, plan, fresh)["remade"].values()]
+    assert summarise_curve(curve, plan, fresh)["remade"][job.name]["val_accuracy"] == [
+        first["val_accuracy"], tested["remade"]["val_accuracy"]]  # fmt: skip
+    assert cpu == remade_cpu and f"- {job.name}: made again for its test" in render(
+        summarise_curve(curve, plan, fresh), "python -m experiments.curve --quick")
     assert "remade" not in run_job(test, made, settings)  # its own weights are there
     torch.save({"global_step": 2}, last_checkpoint(fresh, job.name))
     assert remade(fresh, job)
