@@ -40,7 +40,8 @@ def test_a_cpu_whose_torch_cannot_tell_takes_32_bit(monkeypatch) -> None:
 def test_a_gpu_takes_bf16_where_it_computes_it(monkeypatch, bf16: bool, expected: str) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: not bf16)  # the GPU decides, not the CPU
+    for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):  # the GPU decides, not the CPU
+        monkeypatch.setattr(torch.cpu, check, lambda: not bf16)
     for accelerator in ("gpu", "cuda", "auto"):
         assert default_precision(accelerator)[0] == expected
     # On a GPU machine a run put on the CPU goes by the CPU.
