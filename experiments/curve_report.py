@@ -168,7 +168,7 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
 
 
 def remade_runs(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
-    """The runs a test made again (restored without weights: experiments.runner.remade): the validation
+    """The runs a test made again (restored without weights: experiments.runner.needs_remake): the validation
     their point chose on and the remake's, each with its CPU."""
     found = {}
     for name, result in results.items():

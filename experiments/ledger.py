@@ -5,7 +5,7 @@ its ledger (ledger.json in the results folder) holds the same run folder's bookk
 every finished job's result.json, the choices (with their times), the test set's reads and the
 invocations. `restore` writes it back into an empty or partial run folder, so that the same command
 on a fresh checkout goes on where the committed results stopped instead of starting over. A restored
-run has its numbers but no checkpoint: its final test first makes it again (experiments.runner.remade)
+run has its numbers but no checkpoint: its final test first makes it again (experiments.runner.needs_remake)
 and records that remake's machine and validation beside its test; any other job that would start from
 it fails with its name.
 """

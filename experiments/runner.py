@@ -182,7 +182,7 @@ def fit(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
             "val_loss": losses[-1][1] if losses else None}  # fmt: skip
 
 
-def remade(out: Path, source: Job) -> bool:
+def needs_remake(out: Path, source: Job) -> bool:
     """Whether a test must first make its finished fit `source` again: restored from a ledger, the fit has
     its numbers but not its weights (no last checkpoint, or one short of its steps from a remake that
     stopped half way). The remake runs the same recipe and seed in the fit's folder, resumably; the fit's
@@ -204,7 +204,7 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
             result |= fit(job, out, settings)
         elif job.kind == "test":
             source = Job(job.checkpoint, "fit", job.config, job.overrides)  # the fit evaluated: same recipe
-            if remade(out, source):
+            if needs_remake(out, source):
                 result["remade"] = {"machines": note_machine(run_folder(out, source.name)),
                                     "resumed_from": steps_done(out, source)}  # fmt: skip
                 result["remade"] |= fit(source, out, settings)

@@ -28,9 +28,9 @@ from experiments.plan import Job
 from experiments.runner import (
     checkpoint_of,
     last_checkpoint,
+    needs_remake,
     read_results,
     record_choices,
-    remade,
     run_folder,
     run_job,
     run_study,
@@ -375,9 +375,9 @@ def test_a_final_test_of_a_restored_fit_makes_it_again_and_keeps_the_numbers_tha
     made, fresh = tmp_path / "made", tmp_path / "fresh"
     first = run_job(job, made, settings)
     restore(ledger_of(made, {}), fresh)
-    assert not last_checkpoint(fresh, job.name).exists() and remade(fresh, job)
+    assert not last_checkpoint(fresh, job.name).exists() and needs_remake(fresh, job)
     tested = run_job(test, fresh, settings)
-    assert steps_done(fresh, job) == 4 and not remade(fresh, job)
+    assert steps_done(fresh, job) == 4 and not needs_remake(fresh, job)
     assert tested["remade"]["resumed_from"] == 0 and len(tested["remade"]["machines"]) == 1
     assert tested["remade"]["val_accuracy"] == pytest.approx(first["val_accuracy"], abs=0.05)
     assert read_results(fresh)[job.name] == json.loads(json.dumps(first))  # the numbers that chose, not the remake's
@@ -389,7 +389,7 @@ def test_a_final_test_of_a_restored_fit_makes_it_again_and_keeps_the_numbers_tha
         summarise_curve(curve, plan, fresh), "python -m experiments.curve --quick")
     assert "remade" not in run_job(test, made, settings)  # its own weights are there
     torch.save({"global_step": 2}, last_checkpoint(fresh, job.name))
-    assert remade(fresh, job)
+    assert needs_remake(fresh, job)
 
 
 def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_path: Path, capsys) -> None:
