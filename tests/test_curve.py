@@ -382,11 +382,10 @@ def test_a_final_test_of_a_restored_fit_makes_it_again_and_keeps_the_numbers_tha
     assert tested["remade"]["val_accuracy"] == pytest.approx(first["val_accuracy"], abs=0.05)
     assert read_results(fresh)[job.name] == json.loads(json.dumps(first))  # the numbers that chose, not the remake's
     assert 0.0 <= tested["test_accuracy"] <= 1.0
-    [(cpu, remade_cpu)] = [entry["cpu"] for entry in summarise_curve(curve, plan, fresh)["remade"].values()]
-    assert summarise_curve(curve, plan, fresh)["remade"][job.name]["val_accuracy"] == [
-        first["val_accuracy"], tested["remade"]["val_accuracy"]]  # fmt: skip
-    assert cpu == remade_cpu and f"- {job.name}: made again for its test" in render(
-        summarise_curve(curve, plan, fresh), "python -m experiments.curve --quick")
+    record = summarise_curve(curve, plan, fresh)
+    [(cpu, remade_cpu)] = [entry["cpu"] for entry in record["remade"].values()]
+    assert record["remade"][job.name]["val_accuracy"] == [first["val_accuracy"], tested["remade"]["val_accuracy"]]
+    assert cpu == remade_cpu and f"- {job.name}: made again for its test" in render(record, "python -m experiments.curve")
     assert "remade" not in run_job(test, made, settings)  # its own weights are there
     torch.save({"global_step": 2}, last_checkpoint(fresh, job.name))
     assert needs_remake(fresh, job)
