@@ -182,6 +182,19 @@ def fit(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
             "val_loss": losses[-1][1] if losses else None}  # fmt: skip
 
 
+def source_of(test: Job) -> Job:
+    """The fit a test evaluates, under the same recipe."""
+    return Job(test.checkpoint, "fit", test.config, test.overrides)
+
+
+def remake_first(out: Path, job: Job) -> Job | None:
+    """The fit `job` must make again before it runs (see needs_remake), or None."""
+    if job.kind != "test" or not job.checkpoint:
+        return None
+    source = source_of(job)
+    return source if needs_remake(out, source) else None
+
+
 def needs_remake(out: Path, source: Job) -> bool:
     """Whether a test must first make its finished fit `source` again: restored from a ledger, the fit has
     its numbers but not its weights (no last checkpoint, or one short of its steps from a remake that
@@ -203,11 +216,12 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
         if job.kind == "fit":
             result |= fit(job, out, settings)
         elif job.kind == "test":
-            source = Job(job.checkpoint, "fit", job.config, job.overrides)  # the fit evaluated: same recipe
+            source = source_of(job)
             if needs_remake(out, source):
                 result["remade"] = {"machines": note_machine(run_folder(out, source.name)),
                                     "resumed_from": steps_done(out, source)}  # fmt: skip
                 result["remade"] |= fit(source, out, settings)
+                result["remade"]["wall_seconds"] = time.perf_counter() - start
             args = ["test", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
             args += ["--data.test", settings.splits.test, "--ckpt_path", str(checkpoint_of(out, job.checkpoint))]
             note_test_read(out, job.name)
@@ -379,8 +393,9 @@ def run_study(
             if until is not None:
                 # a running job's checkpoint may be half written, and its estimate is not needed
                 made = lambda job: 0 if job.name in running else steps_done(out, job)  # noqa: E731
-                ready = fitting(ready, results, until - time.time(), made)
-                spares = fitting(spares, results, until - time.time(), made)
+                first = lambda job: None if job.name in running else remake_first(out, job)  # noqa: E731
+                ready = fitting(ready, results, until - time.time(), made, first)
+                spares = fitting(spares, results, until - time.time(), made, first)
             for job, spare in [(job, False) for job in ready] + [(job, True) for job in spares[:1]]:
                 if len(running) >= jobs or failures or (spare and ahead):  # one spare at a time
                     break

@@ -5,9 +5,10 @@ half done.
 A fit's estimate comes from the finished fits of the same config with the step count nearest its own:
 the median of their seconds per step (an attempt that resumed counts the steps it ran), times the steps
 the fit has left (a run validates about 25 times whatever its length, so seconds per step differ
-between short and long runs); an evaluation's is the median wall time of its kind. A job like none that
-has finished has no estimate and counts as fitting. And how long a study has taken: the wall-clock time
-its invocations cover, those that ran side by side counted once.
+between short and long runs); an evaluation's is the median wall time of its kind, less any fit it made
+again first. A test that must make its fit again (restored without weights) adds that fit's estimate.
+A job like none that has finished has no estimate and counts as fitting. And how long a study has
+taken: the wall-clock time its invocations cover, those that ran side by side counted once.
 """
 
 from __future__ import annotations
@@ -34,16 +35,33 @@ def estimate(job: Job, results: dict[str, dict], done: int = 0) -> float | None:
             return None
         nearest = min(abs(log(n / steps)) for n, _ in alike)
         return median(rate for n, rate in alike if abs(log(n / steps)) == nearest) * (steps - done)
-    walls = [r["wall_seconds"] for r in results.values() if r["kind"] == job.kind]
-    return median(walls) if walls else None
+    own = [
+        r["wall_seconds"] - r.get("remade", {}).get("wall_seconds", 0.0)
+        for r in results.values()
+        if r["kind"] == job.kind
+    ]
+    return median(own) if own else None
 
 
 def fitting(
-    jobs: list[Job], results: dict[str, dict], seconds: float, done: Callable[[Job], int] = lambda job: 0
+    jobs: list[Job],
+    results: dict[str, dict],
+    seconds: float,
+    done: Callable[[Job], int] = lambda job: 0,
+    first: Callable[[Job], Job | None] = lambda job: None,
 ) -> list[Job]:
-    """The jobs whose estimate is within `seconds` (`done(job)`: the steps a fit has made), longest first
-    (unknown ones last, in their order)."""
-    known = [(estimate(job, results, done(job)), i, job) for i, job in enumerate(jobs)]
+    """The jobs whose estimate is within `seconds` (`done(job)`: the steps a fit has made; `first(job)`: a
+    fit that `job` must make again before it runs, or None), longest first (unknown ones last, in their
+    order)."""
+
+    def cost(job: Job) -> float | None:
+        own, before = estimate(job, results, done(job)), first(job)
+        if own is None or before is None:
+            return own
+        extra = estimate(before, results, done(before))
+        return None if extra is None else own + extra
+
+    known = [(cost(job), i, job) for i, job in enumerate(jobs)]
     fits = [(s if s is not None else -1.0, i, job) for s, i, job in known if s is None or s <= seconds]
     return [job for _, _, job in sorted(fits, key=lambda item: (-item[0], item[1]))]
 

@@ -31,6 +31,7 @@ from experiments.runner import (
     needs_remake,
     read_results,
     record_choices,
+    remake_first,
     run_folder,
     run_job,
     run_study,
@@ -380,6 +381,7 @@ def test_a_final_test_of_a_restored_fit_makes_it_again_and_keeps_the_numbers_tha
     assert steps_done(fresh, job) == 4 and not needs_remake(fresh, job)
     assert tested["remade"]["resumed_from"] == 0 and len(tested["remade"]["machines"]) == 1
     assert tested["remade"]["val_accuracy"] == pytest.approx(first["val_accuracy"], abs=0.05)
+    assert 0 < tested["remade"]["wall_seconds"] < tested["wall_seconds"]  # what --within leaves out of a test's time
     assert read_results(fresh)[job.name] == json.loads(json.dumps(first))  # the numbers that chose, not the remake's
     assert 0.0 <= tested["test_accuracy"] <= 1.0
     record = summarise_curve(curve, plan, fresh)
@@ -417,6 +419,12 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
     assert fitting(jobs, results, 5) == [tuned]
     assert estimate(long, results, done=5050) == pytest.approx(0.4 * 5050)  # half of it made
     assert fitting(jobs, results, 3000, lambda job: 5050 if job is long else 0) == [long, short, test, tuned]
+    # a test whose fit was restored without weights makes it again first: that fit's estimate counts too
+    results["c"]["remade"] = {"wall_seconds": 4.0}  # a remade test's own time is its wall less its remake
+    assert estimate(test, results) == 6.0
+    assert fitting([test], results, 100, first=lambda job: short) == []  # 6 s + 440 s of the 1,100-step fit
+    assert fitting([test], results, 500, first=lambda job: short) == [test]
+    assert fitting([test], results, 100, lambda job: 1000 if job is short else 0, lambda job: short) == [test]
 
     class Waiting:  # one job ready, never finished
         def all_choices(self, results: dict) -> dict:
@@ -437,6 +445,13 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
     last_checkpoint(tmp_path, long.name).parent.mkdir(parents=True)
     torch.save({"global_step": 5050}, last_checkpoint(tmp_path, long.name))  # a fit stopped half way
     assert [steps_done(tmp_path, job) for job in (long, short, Job(long.name + "/test", "test", checkpoint=long.name))] == [5050, 0, 0]
+    # the runner's side: a test's fit needs making again when finished without its weights, or short of them
+    retest = Job(long.name + "/test", "test", long.config, long.overrides, checkpoint=long.name)
+    assert remake_first(tmp_path, retest) is None  # its fit has not finished: no test yet
+    (run_folder(tmp_path, long.name) / "result.json").write_text(json.dumps({"name": long.name}))
+    assert remake_first(tmp_path, retest) == long  # finished, but its checkpoint is 5,050 of 10,100 steps
+    torch.save({"global_step": 10100}, last_checkpoint(tmp_path, long.name))
+    assert remake_first(tmp_path, retest) is None and remake_first(tmp_path, long) is None
 
 
 def test_a_slot_that_would_wait_runs_ahead_the_lr_a_grid_may_want_next() -> None:
