@@ -182,16 +182,12 @@ def fit(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
             "val_loss": losses[-1][1] if losses else None}  # fmt: skip
 
 
-def source_of(test: Job) -> Job:
-    """The fit a test evaluates, under the same recipe."""
-    return Job(test.checkpoint, "fit", test.config, test.overrides)
-
-
 def remake_first(out: Path, job: Job) -> Job | None:
-    """The fit `job` must make again before it runs (see needs_remake), or None."""
+    """The fit `job` must make again before it runs (see needs_remake), or None: a test's fit, evaluated
+    under the same recipe."""
     if job.kind != "test" or not job.checkpoint:
         return None
-    source = source_of(job)
+    source = Job(job.checkpoint, "fit", job.config, job.overrides)
     return source if needs_remake(out, source) else None
 
 
@@ -216,8 +212,8 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
         if job.kind == "fit":
             result |= fit(job, out, settings)
         elif job.kind == "test":
-            source = source_of(job)
-            if needs_remake(out, source):
+            source = remake_first(out, job)
+            if source is not None:
                 result["remade"] = {"machines": note_machine(run_folder(out, source.name)),
                                     "resumed_from": steps_done(out, source)}  # fmt: skip
                 result["remade"] |= fit(source, out, settings)
