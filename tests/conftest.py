@@ -35,6 +35,12 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(threads)
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    from workspace import slowdown
+
+    return f"time limits: {slowdown():.1f} x the reference machine's (tests/workspace.py, MPP_TEST_SLOWDOWN)"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     tests = Path(__file__).parent

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
-from workspace import ROOT, help_of
+from workspace import ROOT, help_of, time_limit
 
 from benchmarks.bench_gpu import training_flops
 from benchmarks.bench_precision import mpp_step
@@ -48,7 +48,7 @@ def runs() -> Iterator[dict[str, subprocess.Popen]]:
 
 
 def output(runs: dict[str, subprocess.Popen], name: str) -> str:
-    out, err = runs[name].communicate(timeout=120)
+    out, err = runs[name].communicate(timeout=time_limit(120))
     assert runs[name].returncode == 0, err[-3000:]
     return out
 

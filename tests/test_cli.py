@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from workspace import ROOT, environment
+from workspace import ROOT, environment, time_limit
 
 from mpp.cli import main
 from mpp.config import read_config
@@ -40,7 +40,7 @@ def mpp(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
     """The console script in a subprocess, offline, with its run under `run_dir`."""
     env = environment()
     command = [sys.executable, "-m", "mpp.cli", *args, "--trainer.default_root_dir", str(run_dir)]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=time_limit(600))
 
 
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*/*.yaml")),
@@ -173,7 +173,7 @@ def test_credentials_reach_no_saved_config_log_checkpoint_or_wandb_record(tmp_pa
     command = [sys.executable, "-m", "mpp.cli", "fit", "--config", str(DEMO), *QUICK, "--trainer.max_steps", "2",
                "--data.train", signed, "--data.val", signed, "--trainer.default_root_dir", str(tmp_path)]
     try:
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=time_limit(600))
     finally:
         server.shutdown()
         server.server_close()

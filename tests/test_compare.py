@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from PIL import Image
-from workspace import ROOT, environment
+from workspace import ROOT, environment, time_limit
 
 from mpp.eval.linear import DEFAULTS
 
@@ -17,7 +17,7 @@ def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "experiments.compare", "--pretrain-steps", "2", "--steps", "3", "--out", str(tmp_path),
          "--train", "shards/fashion-mnist/train-000000.tar", "--shots", "1", "5", "--frozen-train", "300"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=time_limit(900),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "comparison.md").read_text()

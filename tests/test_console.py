@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workspace import ROOT, console_script, environment, make_workspace, run
+from workspace import ROOT, console_script, environment, make_workspace, run, time_limit
 
 from mpp.cli import main
 
@@ -141,12 +141,12 @@ def test_a_run_stopped_by_sigterm_says_so(tmp_path):
                "--trainer.num_sanity_val_steps", "0"]
     process = subprocess.Popen(command, cwd=folder, env=environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + time_limit(120)
     while not list((folder / "runs").glob("demo/pretrain/wandb/offline-run-*")) and time.monotonic() < deadline:
         time.sleep(0.5)
     time.sleep(3)  # training, its workers reading
     os.killpg(process.pid, signal.SIGTERM)
-    out, _ = process.communicate(timeout=120)
+    out, _ = process.communicate(timeout=time_limit(120))
     lines = [line for line in out.splitlines() if line.strip()]
     assert process.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert re.fullmatch(r"mpp: (error: the run was stopped by SIGTERM, which also stopped its DataLoader workers "

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from workspace import ROOT, environment
+from workspace import ROOT, environment, time_limit
 
 from mpp.train.wandb_records import history
 
@@ -20,7 +20,7 @@ def test_demo_pretraining_beats_the_majority_class(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mpp.cli", "fit", "--config", "configs/pretrain/demo.yaml",
          "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=time_limit(1800),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = (tmp_path / "wandb").glob("offline-run-*")

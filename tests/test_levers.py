@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from workspace import ROOT, environment
+from workspace import ROOT, environment, time_limit
 
 
 @pytest.mark.slow  # two quick studies, minutes on two cores
@@ -18,7 +18,7 @@ def test_quick_levers_share_the_runs_they_have_in_common_and_choose_on_validatio
     out = tmp_path / "levers"
     command = [sys.executable, "-m", "experiments.levers", "--quick", "--levers", "pretrain", "--out", str(out),
                "--reuse", str(tmp_path / "no-study"), "--results", str(tmp_path / "results")]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=time_limit(900))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "results" / "levers.json").read_text())
     assert list(summary["levers"]) == ["default", "pretrain"]

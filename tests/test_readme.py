@@ -39,6 +39,7 @@ from workspace import (
     environment,
     make_workspace,
     run,
+    time_limit,
     unexplained_lines,
 )
 
@@ -647,7 +648,7 @@ def test_readme_slurm_recipe_as_two_local_tasks(user: Path, gcs: dict[str, str])
                 text=True,
             )
         )
-    outputs = [task.communicate(timeout=400)[0] for task in tasks]
+    outputs = [task.communicate(timeout=time_limit(400))[0] for task in tasks]
     assert [task.returncode for task in tasks] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "world size 2 (1 node(s) x 2 device(s))" in outputs[0]
     assert "Restored all states from the checkpoint" in outputs[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workspace import ROOT, environment, help_of
+from workspace import ROOT, environment, help_of, time_limit
 
 from experiments.plan import Plan, outline
 from experiments.report import audit_test_reads
@@ -313,14 +313,14 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "experiments.study", "--quick", "--out", str(out)]
     started = time.time()
     result = subprocess.run([*command, "--no-hybrid"], cwd=ROOT, env=environment(), capture_output=True, text=True,
-                            timeout=900)  # fmt: skip
+                            timeout=time_limit(900))  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     first = json.loads((out / "study.json").read_text())
     assert list(first["budgets"]["1000"]["arms"]) == list(FIRST_ARMS) and first["test_set"]["problems"] == []
     first_reads = len((out / "test_reads.jsonl").read_text().splitlines())
     assert first_reads == first["test_set"]["evaluations"] == 20
 
-    extended = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=900)
+    extended = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=time_limit(900))
     assert extended.returncode == 0, extended.stdout[-3000:] + extended.stderr[-3000:]
     started_now = [line.split()[-1] for line in extended.stdout.splitlines() if line.startswith("study: start")]
     assert started_now and all("hybrid" in name for name in started_now)  # the first arms' runs are kept
@@ -374,7 +374,7 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
     assert "Arms added to the study later" in table
     assert (out / "accuracy.png").stat().st_size > 10_000 and (out / "curves.png").stat().st_size > 10_000
     # The same command again resumes: nothing is run twice, the numbers stay.
-    again = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=time_limit(300))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "study: start" not in again.stdout
     assert json.loads((out / "study.json").read_text())["budgets"] == study["budgets"]

@@ -13,6 +13,7 @@ import runpy
 import subprocess
 import sys
 import time
+from functools import cache
 from pathlib import Path
 
 from shardkit import sample, write_shard
@@ -22,6 +23,11 @@ TESTS = Path(__file__).parent
 # A run's environment as on a CPU without bf16, on any machine: oneDNN and ATen held to AVX2, so that
 # bf16 would be emulated there, and mpp.precision says so (float32 is what such a run takes).
 NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+# One float32 forward and backward of a small transformer layer on one thread, the best of 5, on the
+# 2-core Intel Xeon (AMX) where the tests' time limits hold with a margin: 0.06 s with nothing else
+# running; 0.1 leaves room for the other test worker's runs.
+REFERENCE_SECONDS = 0.1
 
 # Shard sets the shipped configs, the README and docs/ name by default: (folder, prefix, shards, labelled).
 DEFAULT_SHARDS = [("my-images", "train", 1024, False), ("imagenet", "train", 1024, True), ("imagenet", "val", 64, True)]
@@ -59,6 +65,36 @@ def make_workspace(folder: Path) -> Path:
     return folder
 
 
+@cache
+def slowdown() -> float:
+    """How many times slower than the reference machine this one runs the tests' float32 work, at least 1:
+    MPP_TEST_SLOWDOWN where set, else measured here (REFERENCE_SECONDS) on one thread, as a test worker runs."""
+    if os.environ.get("MPP_TEST_SLOWDOWN"):
+        return max(1.0, float(os.environ["MPP_TEST_SLOWDOWN"]))
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(192, 3, 768, batch_first=True)
+        tokens = torch.randn(16, 65, 192, generator=generator)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            layer(tokens).square().mean().backward()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return max(1.0, best / REFERENCE_SECONDS)
+
+
+def time_limit(seconds: float) -> float:
+    """A time limit set on the reference machine, for a run on this one: `seconds` x slowdown(), so that a
+    slower CPU (no AVX-512, an emulated one) waits as much longer as its runs take."""
+    return seconds * slowdown()
+
+
 def environment(**extra: str) -> dict[str, str]:
     """The environment of a run: W&B offline, no credentials of this machine, the tests' probes importable."""
     env = {
@@ -85,9 +121,11 @@ def console_script(name: str) -> str:
 def run(
     argv: list[str], cwd: Path, *, env: dict[str, str] | None = None, timeout: float = 400
 ) -> tuple[subprocess.CompletedProcess, float]:
-    """Run a command in the workspace -> (result, seconds)."""
+    """Run a command in the workspace -> (result, seconds); `timeout` is a reference machine's (time_limit)."""
     start = time.monotonic()
-    result = subprocess.run(argv, cwd=cwd, env=env or environment(), capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        argv, cwd=cwd, env=env or environment(), capture_output=True, text=True, timeout=time_limit(timeout)
+    )
     return result, time.monotonic() - start
 
 

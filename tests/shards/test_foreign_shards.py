@@ -25,6 +25,7 @@ from typing import TypeVar
 import pytest
 from PIL import Image
 from shardkit import colour, encode, read_all, sample, write_shard
+from workspace import time_limit
 
 from mpp.data.module import ShardDataModule
 from mpp.data.remote import ShardOpenError
@@ -38,7 +39,8 @@ T = TypeVar("T")
 
 
 def _within(seconds: float, read: Callable[[], T]) -> T:
-    """read() in a thread; fail, rather than hang the suite, if it has not finished after `seconds`."""
+    """read() in a thread; fail, rather than hang the suite, if it has not finished after `seconds` on the
+    reference machine (time_limit)."""
     result: dict = {}
 
     def run() -> None:
@@ -49,8 +51,8 @@ def _within(seconds: float, read: Callable[[], T]) -> T:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still reading after {seconds} s"
+    thread.join(time_limit(seconds))
+    assert not thread.is_alive(), f"still reading after {time_limit(seconds):.0f} s"
     if "error" in result:
         raise result["error"]
     return result["value"]
@@ -131,7 +133,7 @@ def test_members_of_one_sample_apart_are_refused_with_the_remedy(folder: Path, t
                                   f"in this tar (the sample in hand is '{KEYS[-1]}'): the members of one sample "
                                   f"must be adjacent. {REMEDY}")
     script = subprocess.run([sys.executable, "-m", "mpp", "shards", "inspect", str(path)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=time_limit(60))
     assert script.returncode == 1
     assert (f"{path}: members out of order after {COUNT - 1} samples: member './{KEYS[0]}.cls'" in script.stderr
             and REMEDY in script.stderr)
@@ -190,7 +192,7 @@ def test_gzip_shards_are_read_whatever_their_name(folder: Path, sorted_tar: Path
     report = inspect_shards(shards)
     assert report.problems == [] and report.shards == {shard: COUNT for shard in shards}
     script = subprocess.run([sys.executable, "-m", "mpp", "shards", "inspect", shards[0], "--verify"],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=time_limit(60))
     assert script.returncode == 0, script.stderr
     assert f"verified: {COUNT} samples" in script.stdout
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from workspace import ROOT, TESTS, environment
+from workspace import ROOT, TESTS, environment, time_limit
 
 DEMO = "configs/pretrain/demo.yaml"
 CHECKPOINT = TESTS / "fixtures" / "before-layout" / "pretrain.ckpt"  # corruption ratio 0.5
@@ -34,7 +34,7 @@ def console(*args: str, root: Path, **env: str) -> tuple[int, list[str]]:
     stderr, in the order printed, without colours)."""
     command = [sys.executable, "-m", "mpp.cli", *args, *QUICK, "--trainer.default_root_dir", str(root)]
     done = subprocess.run(command, cwd=ROOT, env=environment(PYTHONUNBUFFERED="1", **env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
+                          stderr=subprocess.STDOUT, text=True, timeout=time_limit(300))
     return done.returncode, re.sub(r"\x1b\[[\d;]*m", "", done.stdout).splitlines()
 
 

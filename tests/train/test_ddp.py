@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from probes import records
 from shardkit import sample, write_shard
-from workspace import ROOT, environment
+from workspace import ROOT, environment, time_limit
 
 from mpp.shards.format import shard_name, shard_pattern
 
@@ -52,7 +52,7 @@ def labelled_shards(folder: Path, prefix: str, sizes: list[int], *, first: int =
 def mpp(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = environment()
     return subprocess.run([sys.executable, "-m", "mpp.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=time_limit(timeout))
 
 
 def probe(out: Path, tag: str) -> str:

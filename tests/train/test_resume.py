@@ -20,7 +20,7 @@ import pytest
 import torch
 from probes import records
 from shardkit import sample, write_shard
-from workspace import environment, make_workspace
+from workspace import environment, make_workspace, time_limit
 
 from mpp.shards.format import shard_name, shard_pattern
 from mpp.train.wandb_records import history, run_folders
@@ -66,18 +66,18 @@ def demo_fit(folder: Path, tag: str, extra: list[str], *, resume: bool = False, 
     if resume:
         argv += ["--ckpt_path", "last"]
     if kill_at is None:
-        return subprocess.run(argv, cwd=folder, env=environment(), capture_output=True, text=True, timeout=400)
+        return subprocess.run(argv, cwd=folder, env=environment(), capture_output=True, text=True, timeout=time_limit(400))
     log = open(folder / f"{tag}.log", "w")
     process = subprocess.Popen(argv, cwd=folder, env=environment(), stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)
     path = folder / "probe" / f"{tag}-rank0.jsonl"
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + time_limit(400)
     while time.monotonic() < deadline and process.poll() is None:
         if path.exists() and any(r["event"] == "step" and r["global_step"] == kill_at for r in records(path)):
             os.killpg(process.pid, signal.SIGKILL)
             break
         time.sleep(0.05)
-    process.wait(timeout=60)
+    process.wait(timeout=time_limit(60))
     log.close()
     assert process.returncode == -signal.SIGKILL, (folder / f"{tag}.log").read_text()[-3000:]
     return None

@@ -14,7 +14,7 @@ import torch
 import yaml
 from probes import digest, records
 from shardkit import write_shards
-from workspace import TESTS
+from workspace import TESTS, time_limit
 
 from mpp.train.optim import warmup_cosine
 from mpp.train.wandb_records import (
@@ -35,7 +35,7 @@ def mpp_fit(config: dict, tmp_path: Path, *args: str, timeout: float = 240) -> s
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "WANDB_MODE": "offline"}
     command = [sys.executable, "-m", "mpp.cli", "fit", "--config", str(path), *args]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=time_limit(timeout))
 
 
 def config(tmp_path: Path, shards: str, *, callbacks: list[dict], **trainer: object) -> dict:
@@ -215,7 +215,7 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path
         env["TMPDIR"] = scratch
     path = tmp_path / "ckpt" / "last.ckpt"
     result = subprocess.run([sys.executable, "-c", KILL_DURING_WRITE, io, str(path)], env=env, capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=time_limit(120))
     assert result.returncode == -9, result.stdout + result.stderr[-2000:]
     if io == "atomic":
         assert torch.load(path, weights_only=True)["step"] == 1
