@@ -32,6 +32,12 @@ def test_the_slowdown_measured_follows_the_machine_against_the_reference(monkeyp
     monkeypatch.setattr(workspace, "REFERENCE_SECONDS", 1e-6)  # a machine a thousand times faster than any
     assert workspace.slowdown() > 1000
     assert torch.get_num_threads() == threads, "the measurement gives back the threads it took"
+    torch.manual_seed(1)
+    drawn = torch.rand(3)
+    torch.manual_seed(1)
+    workspace.slowdown.cache_clear()
+    workspace.slowdown()
+    assert torch.equal(torch.rand(3), drawn), "nor does it draw from the test's random numbers"
     workspace.slowdown.cache_clear()
     monkeypatch.setattr(workspace, "REFERENCE_SECONDS", 1e6)  # one slower than any
     assert workspace.slowdown() == 1.0
