@@ -49,6 +49,7 @@ from mpp.summary import (
 from mpp.train.callbacks import RankFailure
 from mpp.train.checkpoint_io import AtomicCheckpointIO, check_checkpoint
 from mpp.train.predictions import PredictionWriter
+from mpp.train.reduction import RankOrderReduction
 from mpp.train.wandb_run import (
     WandbRunCheckpoint,
     choose_wandb_mode,
@@ -116,12 +117,14 @@ class MPPCLI(LightningCLI):
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         # Where `rich` is installed (transformers brings it), Lightning swaps its model summary for a rich
         # table; the console is the same whatever is installed: the plain one, unless the config names one.
-        named = self.config.get(self.subcommand, self.config).trainer.callbacks or []
-        if not any(getattr(c, "class_path", "").endswith("RichModelSummary") for c in named):
+        config = self.config.get(self.subcommand, self.config).trainer
+        if not any(getattr(c, "class_path", "").endswith("RichModelSummary") for c in config.callbacks or []):
             for index, callback in enumerate(callbacks):
                 if type(callback) is RichModelSummary:
                     callbacks[index] = ModelSummary(max_depth=callback._max_depth)
         callbacks.extend([RankFailure(), WandbRunCheckpoint()])
+        if not any(isinstance(callback, RankOrderReduction) for callback in callbacks):
+            callbacks.append(RankOrderReduction())
         name_checkpoint_folders(trainer)
         return trainer
 

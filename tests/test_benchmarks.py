@@ -32,6 +32,7 @@ SMALLEST = {
     # Eager only: compiling even the demo model takes ~30 s an arm on two cores.
     "precision": ["-m", "benchmarks.bench_precision", "--batch", "4", "--repeats", "1", "--warmup", "1", "--no-compile"],
     "resume": ["-m", "benchmarks.bench_resume", "--shard-sizes", "2500", "--batches", "3", "--repeats", "1"],
+    "reduction": ["-m", "benchmarks.bench_reduction", "--batch", "2", "--ranks", "3", "--repeats", "1", "--warmup", "1"],
 }
 
 
@@ -80,6 +81,14 @@ def test_bench_resume_times_the_replay_of_a_resumed_stream(runs: dict[str, subpr
     assert row, out
     assert int(row[1]) >= 3 * 128, "the replay reads at least the samples the stream had taken"
     assert float(row[4]) == pytest.approx(float(row[3]) - float(row[2]), abs=1.5e-3)
+
+
+def test_bench_reduction_times_both_reductions_per_rank_count(runs: dict[str, subprocess.Popen]) -> None:
+    out = output(runs, "reduction")
+    row = re.search(rf"^\| 3 \| (\d+\.\d+) \| (\d+\.\d+) \| {RATIO} \|$", out, re.MULTILINE)
+    assert row, out
+    ddp, ours, ratio = (float(value) for value in row.groups())
+    assert ratio == pytest.approx(ours / ddp, abs=0.01 + 0.001 * ratio / min(ddp, ours))
 
 
 def test_bench_memory_reads_every_sample_in_a_fresh_process(runs: dict[str, subprocess.Popen]) -> None:

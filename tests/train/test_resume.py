@@ -2,8 +2,9 @@
 checkpoints and resumed with `--ckpt_path last` ends with the weights and optimiser state, bit for
 bit, of the same run never killed; the steps it takes again log the same losses; within an epoch
 that is not resampled no sample is trained on twice and none is missed. On 0 and 2 workers,
-resampled and not (the latter with max_epochs, the path of Lightning issue #20550), and on two
-DDP processes (gloo) reading an odd number of shards."""
+resampled and not (the latter with max_epochs, the path of Lightning issue #20550), and on two, three
+and four DDP processes (gloo) reading 5 shards, killed mid-epoch: from three ranks on, the order in which
+the ranks' gradients are summed matters (mpp.train.reduction)."""
 
 from __future__ import annotations
 
@@ -60,9 +61,10 @@ def demo_fit(folder: Path, tag: str, extra: list[str], *, resume: bool = False, 
             # the few-shot evaluation (the list's last callback here) on fewer images
             "--trainer.callbacks.init_args.max_train", "300", "--trainer.callbacks.init_args.max_test", "100",
             f"--trainer.callbacks+={json.dumps(checkpoints)}", f"--trainer.callbacks+={json.dumps(probe)}",
-            "--data.batch_size", "4", *extra]
+            "--data.batch_size", "4"]
     if devices > 1:
         argv += ["--trainer.devices", str(devices), "--trainer.strategy", "ddp"]
+    argv += extra
     if resume:
         argv += ["--ckpt_path", "last"]
     if kill_at is None:
@@ -122,11 +124,17 @@ def logged_losses(folder: Path, run: str) -> list[dict[int, float]]:
     return attempts
 
 
+NAMED_REDUCTION = {"class_path": "mpp.train.reduction.RankOrderReduction", "init_args": {"when": "always"}}
 VARIANTS = {
     # name: (overrides, devices, slow)
     "one pass, 2 workers, max_epochs": (["--data.resampled", "false", "--data.num_workers", "2",
                                          "--trainer.max_epochs", "3"], 1, False),
     "resampled, 2 DDP ranks": (["--data.num_workers", "1", "--data.samples_per_epoch", "40"], 2, False),
+    # 60 samples an epoch: 5 steps of 3 x 4 or 3 of 4 x 4, so the checkpoint at step 8 falls mid-epoch
+    "resampled, 3 DDP ranks": (["--data.num_workers", "1", "--data.samples_per_epoch", "60"], 3, False),
+    # the reduction named in the config, as a GPU run opts in (docs/robustness.md), so mpp adds none of its own
+    "resampled, 4 DDP ranks, the reduction named": (["--data.num_workers", "1", "--data.samples_per_epoch", "60",
+                                                      f"--trainer.callbacks+={json.dumps(NAMED_REDUCTION)}"], 4, False),
     "resampled, 2 workers": (["--data.num_workers", "2", "--data.samples_per_epoch", "24"], 1, True),
     "resampled, in-process": (["--data.num_workers", "0", "--data.samples_per_epoch", "24"], 1, True),
     "one pass, in-process": (["--data.resampled", "false", "--data.num_workers", "0"], 1, True),
