@@ -27,7 +27,7 @@ from mpp.model.vit import ViT, ViTConfig
 from mpp.moved import current_class_paths
 
 # Settings that shape no tensor: a checkpoint's encoder may differ from the configured one in these.
-_NOT_ARCHITECTURE = ("image_size", "dropout", "attention_dropout")
+_NOT_ARCHITECTURE = ("image_size", "dropout", "attention_dropout", "drop_path")
 
 
 def _architecture(config: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def load_encoder(path: str, *, expected: ViTConfig | None = None, checkpoint: di
     Args:
         path: the `.ckpt` file; or an export: a folder with model.safetensors and config.json, or
             a `.safetensors` file.
-        expected: the encoder the caller configured; every field but image size and the dropouts
+        expected: the encoder the caller configured; every field but image size, the dropouts and drop path
             must match the file's, and its dropout is used (and its heads, for an export that
             does not say them).
         checkpoint: the `.ckpt` file's contents, where the caller has read them already.

@@ -39,6 +39,9 @@ class ViTConfig:
             (the reference ViT's `dropout_rate`: 0.1 when training from scratch).
         attention_dropout: dropout of the attention weights (the reference ViT's
             `attention_dropout_rate`, 0 in every recipe of the paper).
+        drop_path: stochastic depth: the rate at which the last block's attention and MLP branches
+            are skipped for a whole image in training, rising linearly from 0 at the first block
+            (MAE and BEiT fine-tune ViT-B with 0.1; the paper uses none).
         stem: a ResNet-v2 stem (layers, width) whose features the patches are cut from; null: the
             pure ViT, patches of pixels.
     """
@@ -52,6 +55,7 @@ class ViTConfig:
     channels: int = 3
     dropout: float = 0.0
     attention_dropout: float = 0.0
+    drop_path: float = 0.0
     stem: StemConfig | None = None
 
     def __post_init__(self) -> None:
@@ -62,7 +66,7 @@ class ViTConfig:
                 raise ValueError(f"encoder.{name} must be at least 1, got {getattr(self, name)}")
         if self.dim % self.heads:
             raise ValueError(f"encoder.dim ({self.dim}) must be divisible by encoder.heads ({self.heads})")
-        for name in ("dropout", "attention_dropout"):
+        for name in ("dropout", "attention_dropout", "drop_path"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"encoder.{name} must be in [0, 1), got {getattr(self, name)}")
         if min(pair(self.patch_size)) < 1:
@@ -82,6 +86,10 @@ class ViTConfig:
         stride = 1 if self.stem is None else self.stem.stride
         patch_h, patch_w = pair(self.patch_size)
         return (patch_h * stride, patch_w * stride)
+
+    def drop_path_rates(self) -> list[float]:
+        """Each block's drop-path rate: `drop_path` x i / (depth - 1) for block i (0 where depth is 1)."""
+        return [self.drop_path * i / max(1, self.depth - 1) for i in range(self.depth)]
 
     @property
     def grid(self) -> Size2d:
@@ -178,16 +186,42 @@ class MLP(nn.Module):
         return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x)))))
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block: z' = MSA(LN(z)) + z; z = MLP(LN(z')) + z'."""
+class DropPath(nn.Module):
+    """Stochastic depth: in training, each image's branch output is zeroed with probability `rate`
+    and the others scaled by 1 / (1 - rate), so its expected value is unchanged; identity in eval."""
 
-    def __init__(self, *, dim: int, heads: int, mlp_dim: int, dropout: float, attention_dropout: float = 0.0) -> None:
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, ...) -> (B, ...)."""
+        if not self.training or self.rate == 0.0:
+            return x
+        keep = torch.rand(x.shape[0], *([1] * (x.dim() - 1)), device=x.device) >= self.rate
+        return x * keep.to(x.dtype) / (1.0 - self.rate)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: z' = MSA(LN(z)) + z; z = MLP(LN(z')) + z' (each branch under `drop_path`)."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        heads: int,
+        mlp_dim: int,
+        dropout: float,
+        attention_dropout: float = 0.0,
+        drop_path: float = 0.0,
+    ) -> None:
         super().__init__()
         # eps 1e-6 as in the reference JAX implementation.
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim=dim, heads=heads, dropout=dropout, attention_dropout=attention_dropout)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = MLP(dim=dim, hidden=mlp_dim, dropout=dropout)
+        self.drop_path = DropPath(drop_path) if drop_path else nn.Identity()
 
     def forward(
         self, x: Tensor, queries: Tensor | None = None, *, return_attention: bool = False
@@ -197,8 +231,8 @@ class Block(nn.Module):
         shortcut = x if queries is None else pick(x, queries)
         attended = self.attn(self.norm1(x), queries, return_weights=return_attention)
         mixed, weights = attended if return_attention else (attended, None)
-        x = shortcut + mixed
-        x = x + self.mlp(self.norm2(x))
+        x = shortcut + self.drop_path(mixed)
+        x = x + self.drop_path(self.mlp(self.norm2(x)))
         return x if weights is None else (x, weights)
 
 
@@ -228,8 +262,9 @@ class ViT(nn.Module):
                 mlp_dim=config.mlp_dim,
                 dropout=config.dropout,
                 attention_dropout=config.attention_dropout,
+                drop_path=rate,
             )
-            for _ in range(config.depth)
+            for rate in config.drop_path_rates()
         )
         self.norm = nn.LayerNorm(config.dim, eps=1e-6)
         self.reset_parameters()
@@ -248,6 +283,17 @@ class ViT(nn.Module):
         nn.init.zeros_(self.patch_embed.bias)  # type: ignore[arg-type]  # made with bias=True
         nn.init.normal_(self.pos_embed, std=0.02)
         nn.init.zeros_(self.cls_token)
+
+    def parameter_depths(self) -> dict[str, int]:
+        """Each parameter's depth, by name: 0 for the embeddings (the stem, the patch projection, the class
+        token, the positions), i + 1 for block i, depth + 1 for the final norm (layer-wise lr decay)."""
+        depths = {}
+        for name, _ in self.named_parameters():
+            if name.startswith("blocks."):
+                depths[name] = int(name.split(".")[1]) + 1
+            else:
+                depths[name] = self.config.depth + 1 if name.startswith("norm.") else 0
+        return depths
 
     def embed_patches(self, images: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, N, D): the linear projection of every patch (of the stem's features, for a hybrid)."""
