@@ -1,6 +1,6 @@
-"""Corruption of patch embeddings (appendix B.1.2): choose a fixed share of the patches, then
-replace each chosen one by a learnable [mask] embedding, by another random patch's
-embedding, or keep it as it is. The choice is drawn before the patches are embedded, so that a
+"""Corruption of patch embeddings (appendix B.1.2): choose a fixed share of the patches, scattered
+(the paper) or in contiguous blocks (BEiT's block-wise masking), then replace each chosen one by a
+learnable [mask] embedding, by another random patch's embedding, or keep it as it is. The choice is drawn before the patches are embedded, so that a
 hybrid encoder's pixels can be masked before its stem too.
 
 Every image gets the same number of corrupted patches, so all shapes are static: no
@@ -10,8 +10,9 @@ keeps the step friendly to `torch.compile` and CUDA graphs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from einops import repeat
@@ -35,6 +36,8 @@ class CorruptionConfig:
             (the normalised mean) before the stem, whose receptive field would otherwise carry their
             colour into the neighbours' features. Replaced and kept patches keep their pixels:
             a replaced one still takes another patch's embedding, a kept one is meant to be seen.
+        layout: `scattered`: a uniform random subset of the patches (the paper); `blocks`: rectangles
+            of patches (BEiT's block-wise masking), see `block_positions`. Either way round(ratio · N).
     """
 
     ratio: float = 0.5
@@ -42,6 +45,7 @@ class CorruptionConfig:
     random: float = 0.1
     keep: float = 0.1
     mask_pixels: bool = False
+    layout: Literal["scattered", "blocks"] = "scattered"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio <= 1.0:
@@ -49,6 +53,8 @@ class CorruptionConfig:
         for name in ("mask", "random", "keep"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"corruption.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.layout not in ("scattered", "blocks"):
+            raise ValueError(f"corruption.layout must be scattered or blocks, got {self.layout!r}")
         total = self.mask + self.random + self.keep
         if abs(total - 1.0) > 1e-6:
             raise ValueError(
@@ -86,11 +92,51 @@ class CorruptedPatches(NamedTuple):
     sources: Tensor
 
 
+def block_positions(
+    batch: int,
+    grid: tuple[int, int],
+    count: int,
+    *,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """(B, count) patch indices per image, row-major on `grid`, that lie in rectangles of patches.
+
+    As BEiT's block-wise masking: each rectangle covers between N · 16 / 196 patches (BEiT's 16 of
+    ViT-B/16's 196) and `count`, at an aspect ratio log-uniform in [0.3, 1 / 0.3], at a uniform place.
+    BEiT adds rectangles until enough patches are covered, a number of steps that differs per image;
+    here every image draws the same number of rectangles, enough to cover `count` patches twice over
+    at their smallest, and takes its first `count` patches in rectangle order (the first rectangle's,
+    then the patches the second adds, ...; at random within one), then at random if they cover fewer.
+    """
+    height, width = grid
+    smallest = max(1, round(height * width * 16 / 196))
+    blocks = math.ceil(2 * count / smallest)
+
+    def uniform() -> Tensor:
+        return torch.rand(batch, blocks, 1, 1, device=device, generator=generator)
+
+    area = smallest + uniform() * (max(count, smallest) - smallest)
+    aspect = torch.exp(math.log(0.3) + uniform() * 2 * math.log(1 / 0.3))
+    rows = (area * aspect).sqrt().round().clamp(1, height)
+    columns = (area / aspect).sqrt().round().clamp(1, width)
+    top = (uniform() * (height - rows + 1)).floor()
+    left = (uniform() * (width - columns + 1)).floor()
+    row = torch.arange(height, device=device).view(1, 1, height, 1)
+    column = torch.arange(width, device=device).view(1, 1, 1, width)
+    inside = (row >= top) & (row < top + rows) & (column >= left) & (column < left + columns)  # (B, K, H, W)
+    rank = torch.arange(blocks, device=device).view(1, blocks, 1, 1)
+    first_block = torch.where(inside, rank, blocks).amin(dim=1).flatten(1)  # (B, N): K where no block covers
+    order = first_block + torch.rand(batch, height * width, device=device, generator=generator)
+    return order.argsort(dim=1)[:, :count]
+
+
 def choose_corruption(
     batch: int,
     num_patches: int,
     *,
     config: CorruptionConfig = CorruptionConfig(),  # noqa: B008 (frozen: one shared default is safe)
+    grid: tuple[int, int] | None = None,
     device: torch.device | str = "cpu",
     generator: torch.Generator | None = None,
 ) -> CorruptionChoice:
@@ -99,15 +145,20 @@ def choose_corruption(
     Args:
         batch: images B.
         num_patches: patches N per image.
-        config: the corruption rate and the mask / random / keep split.
+        config: the corruption rate, layout and the mask / random / keep split.
+        grid: the patches' (rows, columns), N in all; needed by the `blocks` layout.
         device: where the draws are made and kept.
         generator: a seeded generator on `device` for reproducible draws.
     """
     num_corrupted = config.num_corrupted(num_patches)
 
-    # A uniform random subset of M positions per image: the M smallest of N uniform draws.
-    noise = torch.rand(batch, num_patches, device=device, generator=generator)
-    positions = noise.argsort(dim=1)[:, :num_corrupted]  # (B, M)
+    if config.layout == "blocks":
+        if grid is None or grid[0] * grid[1] != num_patches:
+            raise ValueError(f"the blocks layout needs the grid of the {num_patches} patches, got {grid}")
+        positions = block_positions(batch, grid, num_corrupted, device=device, generator=generator)
+    else:  # A uniform random subset of M positions per image: the M smallest of N uniform draws.
+        noise = torch.rand(batch, num_patches, device=device, generator=generator)
+        positions = noise.argsort(dim=1)[:, :num_corrupted]  # (B, M)
 
     # Each corrupted patch independently becomes masked / replaced / kept (as BERT does).
     draw = torch.rand(batch, num_corrupted, device=device, generator=generator)
@@ -143,6 +194,7 @@ def corrupt_patches(
     *,
     mask_token: Tensor,
     config: CorruptionConfig = CorruptionConfig(),  # noqa: B008
+    grid: tuple[int, int] | None = None,
     generator: torch.Generator | None = None,
 ) -> CorruptedPatches:
     """(B, N, D) patch embeddings -> `CorruptedPatches` with M = round(ratio · N) per image.
@@ -150,11 +202,12 @@ def corrupt_patches(
     Args:
         patches: patch embeddings, before position embeddings are added.
         mask_token: the learnable [mask] embedding, shape (D,).
-        config: the corruption rate and the mask / random / keep split.
+        config: the corruption rate, layout and the mask / random / keep split.
+        grid: the patches' (rows, columns); needed by the `blocks` layout.
         generator: a seeded generator on `patches.device` for reproducible draws.
     """
     batch, num_patches, _ = patches.shape
-    choice = choose_corruption(batch, num_patches, config=config, device=patches.device, generator=generator)
+    choice = choose_corruption(batch, num_patches, config=config, grid=grid, device=patches.device, generator=generator)
     return apply_corruption(patches, choice, mask_token=mask_token)
 
 

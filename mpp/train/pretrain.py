@@ -140,8 +140,9 @@ class MaskedPatchPretraining(EncoderModule):
     def forward(self, images: Tensor) -> MPPOutput:
         """(B, C, H, W) images in [0, 1] -> predictions and targets of the corrupted patches."""
         targets = self.targets(images)
+        encoder = self.encoder_config
         choice = choose_corruption(
-            len(images), self.encoder_config.num_patches, config=self.corruption, device=images.device
+            len(images), encoder.num_patches, config=self.corruption, grid=encoder.grid, device=images.device
         )
         pixels = self.normalise(images)
         if self.corruption.mask_pixels:

@@ -108,3 +108,65 @@ def test_gradients_reach_the_mask_token_and_the_patches():
 def test_impossible_settings_fail_naming_them(settings, key):
     with pytest.raises(ValueError, match=key):
         CorruptionConfig(**settings)
+
+
+BLOCKS = CorruptionConfig(layout="blocks")
+
+
+def corrupted_neighbours(positions: torch.Tensor, grid: tuple[int, int]) -> float:
+    """The mean number of a corrupted patch's 4 neighbours that are corrupted too."""
+    height, width = grid
+    chosen = torch.zeros(positions.shape[0], height * width).scatter(1, positions, 1.0).view(-1, height, width)
+    neighbours = torch.zeros_like(chosen)
+    neighbours[:, 1:] += chosen[:, :-1]
+    neighbours[:, :-1] += chosen[:, 1:]
+    neighbours[:, :, 1:] += chosen[:, :, :-1]
+    neighbours[:, :, :-1] += chosen[:, :, 1:]
+    return float((neighbours * chosen).sum() / chosen.sum())
+
+
+@pytest.mark.parametrize("grid, ratio, expected", [((7, 7), 0.5, 24), ((7, 7), 0.75, 37), ((14, 14), 0.5, 98),
+                                                   ((5, 9), 0.3, 14), ((1, 6), 0.5, 3), ((3, 4), 1.0, 12)])
+def test_blocks_corrupt_the_same_fixed_number_of_distinct_patches(grid, ratio, expected):
+    n = grid[0] * grid[1]
+    config = CorruptionConfig(ratio=ratio, layout="blocks")
+    out = corrupt_patches(distinct_patches(64, n, 4), mask_token=torch.zeros(4), config=config, grid=grid,
+                          generator=torch.Generator().manual_seed(7))
+    assert out.positions.shape == out.kinds.shape == (64, expected)
+    for row in out.positions:
+        assert len(set(row.tolist())) == expected and 0 <= min(row) and max(row) < n
+
+
+@pytest.mark.parametrize("grid, ratio", [((7, 7), 0.5), ((7, 7), 0.75), ((14, 14), 0.5), ((5, 9), 0.3)])
+def test_blocks_corrupt_neighbouring_patches_where_scattered_ones_are_apart(grid, ratio):
+    n = grid[0] * grid[1]
+    patches, token = distinct_patches(2000, n, 1), torch.zeros(1)
+    draws = {layout: corrupt_patches(patches, mask_token=token, config=CorruptionConfig(ratio=ratio, layout=layout),
+                                     grid=grid, generator=torch.Generator().manual_seed(8)).positions
+             for layout in ("scattered", "blocks")}
+    # A scattered patch has on average ~4 x ratio corrupted neighbours (fewer at the edges); one in a block more.
+    scattered, blocks = (corrupted_neighbours(draws[layout], grid) for layout in ("scattered", "blocks"))
+    assert scattered < 4 * ratio
+    assert blocks > scattered + 0.4, (blocks, scattered)
+
+
+def test_blocks_are_drawn_the_same_from_the_same_generator_and_split_as_the_paper():
+    patches, token = distinct_patches(256, 196, 4), torch.zeros(4)
+
+    def draw(seed: int):
+        return corrupt_patches(patches, mask_token=token, config=BLOCKS, grid=(14, 14),
+                               generator=torch.Generator().manual_seed(seed))
+
+    first, again, other = draw(9), draw(9), draw(10)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first.positions, other.positions)
+    kinds = torch.cat([draw(seed).kinds for seed in range(11, 31)])  # 501,760 draws, as above
+    for kind, share in ((MASKED, 0.8), (REPLACED, 0.1), (KEPT, 0.1)):
+        assert abs((kinds == kind).sum().item() / kinds.numel() - share) < 0.003
+
+
+def test_blocks_need_the_grid_and_a_layout_must_be_known():
+    with pytest.raises(ValueError, match="the blocks layout needs the grid of the 49 patches, got None"):
+        corrupt_patches(distinct_patches(2, 49, 4), mask_token=torch.zeros(4), config=BLOCKS)
+    with pytest.raises(ValueError, match="corruption.layout must be scattered or blocks, got 'stripes'"):
+        CorruptionConfig(layout="stripes")  # type: ignore[arg-type]
