@@ -99,6 +99,17 @@ def main(args: list[str] | None = None) -> None:
     run(args)
 
 
+def positive_count(value: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {value}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {value}")
+    return number
+
+
 def checkpoint_file(path: str) -> str:
     """A checkpoint the command line names, which must be a file: else the line that says what it is."""
     if not Path(path).exists():

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from mpp.commands import DEFAULT, checkpoint_file, command_parser
+from mpp.commands import DEFAULT, checkpoint_file, command_parser, positive_count
 from mpp.eval.frozen import FrozenScores, evaluate_checkpoint
 from mpp.eval.linear import DEFAULTS, FewShotSettings
 from mpp.model.pixels import pair
@@ -52,9 +52,11 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train", required=True, help="labelled shards the n-shot examples are drawn from")
     parser.add_argument("--test", required=True, help="labelled shards the accuracy is measured on")
     parser.add_argument(
-        "--shots", type=int, nargs="+", default=list(DEFAULTS.shots), help=f"n, examples per class{DEFAULT}"
+        "--shots", type=positive_count, nargs="+", default=list(DEFAULTS.shots), help=f"n, examples per class{DEFAULT}"
     )
-    parser.add_argument("--seeds", type=int, default=DEFAULTS.seeds, help=f"draws of the n examples, averaged{DEFAULT}")
+    parser.add_argument(
+        "--seeds", type=positive_count, default=DEFAULTS.seeds, help=f"draws of the n examples, averaged{DEFAULT}"
+    )
     parser.add_argument("--num-classes", type=int, help="K (default: the largest label seen + 1)")
     parser.add_argument(
         "--max-train", type=int, default=DEFAULTS.max_train, help=f"training samples read, in shard order{DEFAULT}"

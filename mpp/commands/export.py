@@ -22,6 +22,7 @@ only with `pretrained_strict=False`.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from mpp.commands import checkpoint_file, command_parser
 from mpp.errors import ConfigError
@@ -72,6 +73,8 @@ def argument_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = argument_parser().parse_args(argv)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a file: give a folder to write the export into (made if missing)")
     try:
         written = export(checkpoint_file(args.checkpoint), layout=args.format, out=args.out, with_head=args.with_head)
     except ValueError as error:  # not an mpp checkpoint, or an encoder the format cannot hold: exit code 2

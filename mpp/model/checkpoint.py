@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
+import zipfile
 from collections.abc import Mapping
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from mpp.errors import ConfigError
 from mpp.model import layouts
 from mpp.model.layouts import TIMM_HYBRIDS, TIMM_MODELS, TIMM_STEM_WIDTH, Layout
 from mpp.model.pixels import Normalise, pair
@@ -42,7 +45,18 @@ def _architecture(config: dict[str, Any]) -> dict[str, Any]:
 def read_checkpoint(path: str) -> dict[str, Any]:
     """A checkpoint's contents, tensors on the CPU; nothing but plain data and tensors is unpickled. The
     class path Lightning's CLI records in its hyperparameters is today's where it named an earlier one."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        give = "give a checkpoint written by mpp fit, e.g. runs/<run>/checkpoints/last.ckpt"
+        if zipfile.is_zipfile(path):  # what torch.save writes: a checkpoint, of something that is not plain data
+            raise ConfigError(
+                f"checkpoint {path} holds objects other than tensors and plain data, which mpp does not "
+                f"unpickle (they could run code): {give}"
+            ) from error
+        raise ConfigError(f"{path} is not an mpp checkpoint (torch cannot read it as one): {give}") from error
+    if not isinstance(checkpoint, dict):
+        raise ConfigError(f"{path} is not an mpp checkpoint (it holds a {type(checkpoint).__name__}, not a dict)")
     if isinstance(checkpoint.get("hyper_parameters"), dict):
         checkpoint["hyper_parameters"] = current_class_paths(
             checkpoint["hyper_parameters"], source=f"checkpoint {path}"

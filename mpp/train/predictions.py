@@ -41,6 +41,15 @@ KEYS = "keys.txt"
 CHUNK = 1 << 16  # rows joined at a time
 
 
+def writable_folder(folder: Path) -> Path:
+    """`folder`, which must not be a file: the predictions go into files in it."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(
+            f"predictions.out {folder} is a file: give a folder to write the predictions into (made if missing)"
+        )
+    return folder
+
+
 class PredictionWriter(BasePredictionWriter):
     """Writes the outputs of a module's `predict_step` for every sample `mpp predict` reads.
 
@@ -53,6 +62,8 @@ class PredictionWriter(BasePredictionWriter):
 
     def __init__(self, *, out: str | None = None, patch_means: bool = False) -> None:
         super().__init__(write_interval="batch")
+        if out is not None:
+            writable_folder(Path(out))
         self.out, self.patch_means = out, patch_means
         self.folder: Path | None = None
         self._part: Part | None = None
@@ -70,7 +81,7 @@ class PredictionWriter(BasePredictionWriter):
         warnings.filterwarnings(
             "ignore", message="Couldn't infer the batch indices fetched from your dataloader: `ShardLoader`"
         )
-        self.folder = Path(self.out) if self.out else Path(trainer.default_root_dir) / "predictions"
+        self.folder = writable_folder(Path(self.out) if self.out else Path(trainer.default_root_dir) / "predictions")
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.folder is not None  # set in setup

@@ -4,7 +4,6 @@ positions to a new image size, trains and reports per-class accuracy, and runs f
 from __future__ import annotations
 
 import inspect
-import pickle
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -95,6 +94,13 @@ def test_a_file_that_is_not_an_mpp_checkpoint_fails_clearly(tmp_path):
     torch.save({"weights": torch.zeros(1)}, tmp_path / "other.ckpt")
     with pytest.raises(ValueError, match="encoder_config"):
         classifier(pretrained=str(tmp_path / "other.ckpt"))
+    torch.save(torch.zeros(1), tmp_path / "tensor.ckpt")
+    with pytest.raises(ValueError, match=r"tensor.ckpt is not an mpp checkpoint \(it holds a Tensor, not a dict\)"):
+        classifier(pretrained=str(tmp_path / "tensor.ckpt"))
+    for name, content in (("notes.md", b"# notes\n"), ("empty.ckpt", b""), ("noise.ckpt", bytes(range(256)))):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=rf"^{tmp_path / name} is not an mpp checkpoint \(torch cannot read"):
+            classifier(pretrained=str(tmp_path / name))
 
 
 def test_the_zero_head_predicts_uniformly_at_init(tmp_path):
@@ -206,6 +212,6 @@ def test_a_checkpoint_that_would_run_code_is_refused_unrun(tmp_path):
     marker = tmp_path / "ran"
     path = tmp_path / "hostile.ckpt"
     torch.save({"encoder_config": {}, "state_dict": {}, "payload": _RunsCode(marker)}, path)
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(ValueError, match=f"checkpoint {path} holds objects other than tensors and plain data"):
         load_encoder(str(path))
     assert not marker.exists()
