@@ -3,9 +3,9 @@
 for the tests' own helpers), and a process that can reach no W&B account: runs in the tests' own
 process log offline, whatever the machine's settings.
 
-The tests mirror the package: tests/model, tests/shards, tests/data, tests/train, tests/eval;
-whole runs of the CLI, the configs, the README, the commands, the experiments and the benchmarks sit
-at the top.
+The tests mirror the package: tests/model, tests/shards, tests/data, tests/train, tests/eval,
+tests/commands; whole runs of the CLI, the configs, the README, the experiments and the benchmarks
+sit at the top.
 
 `make test` runs the suite on two worker processes (pytest-xdist), a file to a worker, since a file's
 tests share its module fixtures (the README's and docs' commands run in order in one user's folder). The files of
