@@ -15,10 +15,12 @@ cores / ranks), as the tests' DDP runs do.
 
 from __future__ import annotations
 
+import gc
 import os
-import socket
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,17 +38,22 @@ from mpp.train.reduction import rank_order_allreduce
 ARMS = ("DDP all-reduce", "rank-order all-reduce")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def rank_main(rank: int, world_size: int, port: int, args: Any, out: Any) -> None:
-    """One rank: both arms' models, their alternating timed steps; rank 0 puts the medians on `out`."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(rank: int, world_size: int, store: str, args: Any, out: Any) -> None:
+    """One rank, its process group met at the file `store`; rank 0 puts each arm's median on `out`."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    medians = timed_arms(rank, world_size, args)
+    # Every rank's DDP models are gone (with timed_arms' frame) before the group is: a reducer outliving
+    # its process group, or a peer's, can hang the process at its exit.
+    gc.collect()
+    dist.barrier()
+    if rank == 0:
+        out.put(medians)
+    dist.destroy_process_group()
+
+
+def timed_arms(rank: int, world_size: int, args: Any) -> dict[str, float]:
+    """Both arms' models on this rank, their alternating timed steps -> each arm's median seconds."""
     run = load_run_config(args.setting)
     autocast = precision_context(run_precision(run["trainer"]), torch.device("cpu"))
     clip = run["trainer"].get("gradient_clip_val")
@@ -86,9 +93,7 @@ def rank_main(rank: int, world_size: int, port: int, args: Any, out: Any) -> Non
 
     steps = {name: arm(hook) for name, hook in zip(ARMS, (False, True))}
     seconds = alternate(steps, args.repeats)
-    if rank == 0:
-        out.put({name: statistics.median(times) for name, times in seconds.items()})
-    dist.destroy_process_group()
+    return {name: statistics.median(times) for name, times in seconds.items()}
 
 
 def main() -> None:
@@ -111,7 +116,9 @@ def main() -> None:
     context = mp.get_context("spawn")
     for world_size in args.ranks:
         out = context.SimpleQueue()
-        mp.start_processes(rank_main, (world_size, free_port(), args, out), nprocs=world_size, start_method="spawn")
+        with tempfile.TemporaryDirectory() as folder:  # where the ranks meet: a file, no port to collide on
+            store = str(Path(folder) / "store")
+            mp.start_processes(rank_main, (world_size, store, args, out), nprocs=world_size, start_method="spawn")
         medians = out.get()
         ddp, ours = (medians[name] for name in ARMS)
         print(f"| {world_size} | {ddp:.3f} | {ours:.3f} | {ours / ddp:.2f}x |", flush=True)
