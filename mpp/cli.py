@@ -117,8 +117,8 @@ class MPPCLI(LightningCLI):
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         # Where `rich` is installed (transformers brings it), Lightning swaps its model summary for a rich
         # table; the console is the same whatever is installed: the plain one, unless the config names one.
-        config = self.config.get(self.subcommand, self.config).trainer
-        if not any(getattr(c, "class_path", "").endswith("RichModelSummary") for c in config.callbacks or []):
+        named = self.config.get(self.subcommand, self.config).trainer.callbacks or []
+        if not any(getattr(c, "class_path", "").endswith("RichModelSummary") for c in named):
             for index, callback in enumerate(callbacks):
                 if type(callback) is RichModelSummary:
                     callbacks[index] = ModelSummary(max_depth=callback._max_depth)
