@@ -10,7 +10,8 @@ from einops import rearrange
 from workspace import ROOT
 
 from mpp import ViT, ViTConfig, patchify
-from mpp.model.vit import Attention, DropPath, attend, attention_weights
+from mpp.model.attention import Attention, attend, attention_weights
+from mpp.model.vit import DropPath
 
 PRESETS = ROOT / "configs" / "model"
 
@@ -100,7 +101,7 @@ def test_attention_weights_are_dropped_by_attention_dropout_alone(monkeypatch):
         asked.append(dropout)
         return attend(q, k, v, dropout)
 
-    monkeypatch.setattr("mpp.model.vit.attend", recording)
+    monkeypatch.setattr("mpp.model.attention.attend", recording)
     images = torch.randn(2, 3, 8, 8)
     model.train()(images)
     assert asked == [0.0, 0.0]
