@@ -12,9 +12,6 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import TQDMProgressBar
-from pytorch_lightning.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher,
-)
 
 from mpp.errors import add_note
 from mpp.train.steps import log_interval
@@ -142,8 +139,8 @@ class RankFailure(pl.Callback):
                 f"(global step {trainer.global_step}): one rank is stuck or ran a different number of steps; "
                 "the timeout is trainer.strategy.init_args.timeout",
             )
-        launcher = trainer.strategy.launcher
-        if isinstance(launcher, _SubprocessScriptLauncher):
+        launcher = trainer.strategy.launcher  # the processes this one started, if it started any
+        if launcher is not None:
             launcher.kill(signal.SIGKILL)
 
 
