@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.ledger import NAME, restore, write_ledger
+from experiments.ledger import NAME, go_on_from, write_ledger
 from experiments.plan import Job, Plan, lr_name, seeded, steps_of
 from experiments.runner import run_study
 from experiments.settings import Settings
@@ -411,20 +411,6 @@ def without_time(args: Sequence[str]) -> list[str]:
     return kept
 
 
-def go_on_from(path: Path, out: Path, curve: Curve) -> None:
-    """Restore into `out` the finished runs of the ledger at `path` (experiments.ledger) that it lacks:
-    a fresh checkout goes on where the committed results stopped."""
-    ledger = json.loads(path.read_text())
-    if not extends(ledger["settings"], curve):
-        raise SystemExit(f"curve: {path} holds a curve with other settings; choose another --results")
-    out.mkdir(parents=True, exist_ok=True)
-    if not (out / "settings.json").exists():
-        (out / "settings.json").write_text(json.dumps(ledger["settings"], indent=1))
-    restored = restore(ledger, out)
-    if restored:
-        print(f"curve: {len(restored)} finished runs restored from {path} into {out}")
-
-
 def main(argv: list[str] | None = None) -> int:
     from experiments.curve_report import report  # matplotlib only where a report is made
 
@@ -440,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     saved_path = out / "settings.json"
     if results and (results / NAME).exists():
-        go_on_from(results / NAME, out, curve)
+        go_on_from(results / NAME, out, lambda saved: extends(saved, curve), "curve")
     if args.report and not saved_path.exists():
         raise SystemExit(f"curve: {out} holds no curve (no settings.json); run it first")
     if saved_path.exists() and not extends(json.loads(saved_path.read_text()), curve):

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.curve import LABELS, SCRATCH_ARMS, Curve, CurvePlan, outline, pretrain_name  # noqa: E402
 from experiments.plan import Job, kind_of, lr_name  # noqa: E402
-from experiments.report import interval, pct, write_results  # noqa: E402
+from experiments.report import interval, machine_counts, pct, write_results  # noqa: E402
 from experiments.runner import read_results, test_reads  # noqa: E402
 from experiments.stats import paired, summarise  # noqa: E402
 from experiments.timing import elapsed  # noqa: E402
@@ -128,16 +128,12 @@ def summarise_curve(curve: Curve, plan: CurvePlan, out: Path) -> dict[str, Any]:
                 if a in by_seed and b in by_seed
             },  # fmt: skip
         }
-    machines: dict[str, int] = {}
+    machines = machine_counts(results)
     wall: dict[str, float] = {}
     restored: dict[str, int] = {}
     for result in results.values():
         if "restored" in result:
             restored[result["restored"]] = restored.get(result["restored"], 0) + 1
-        for entry in result.get("machines", []):
-            threads = f"{entry['threads']} thread" + ("s" if entry["threads"] != 1 else "")
-            key = f"{entry['cpu']} ({entry['precision']}, {threads}, torch {entry['torch']})"
-            machines[key] = machines.get(key, 0) + 1
         kind = kind_of(Job(result["name"], result["kind"]))
         if kind == "fine-tuning":
             kind = {"scratch": "from scratch", "hybrid": "hybrid from scratch"}.get(result["name"].split("/")[1], kind)

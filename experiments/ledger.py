@@ -1,4 +1,4 @@
-"""A curve's ledger: what its finished runs found, small enough to commit beside its results.
+"""A curve's (or a screen's) ledger: what its finished runs found, small enough to commit beside its results.
 
 A curve's run folder (runs/curve) holds checkpoints and logs and stays on the machine that made it;
 its ledger (ledger.json in the results folder) holds the same run folder's bookkeeping without them:
@@ -13,6 +13,7 @@ it fails with its name.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,17 @@ def restore(ledger: dict[str, Any], out: Path) -> list[str]:
     earlier = [attempt for attempt in ledger["attempts"] if attempt["start"] not in starts]
     (out / "attempts.json").write_text(json.dumps(earlier + attempts, indent=1))
     return restored
+
+
+def go_on_from(path: Path, out: Path, fits: Callable[[dict[str, Any]], bool], who: str) -> None:
+    """Restore into `out` the finished runs of the ledger at `path` that it lacks, if `fits` takes the
+    ledger's settings: a fresh checkout goes on where the committed results stopped."""
+    ledger = json.loads(path.read_text())
+    if not fits(ledger["settings"]):
+        raise SystemExit(f"{who}: {path} holds a {who} with other settings; choose another --results")
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "settings.json").exists():
+        (out / "settings.json").write_text(json.dumps(ledger["settings"], indent=1))
+    restored = restore(ledger, out)
+    if restored:
+        print(f"{who}: {len(restored)} finished runs restored from {path} into {out}")

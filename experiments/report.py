@@ -137,6 +137,17 @@ def write_results(folders: Sequence[Path], name: str, record: dict[str, Any], ta
         (folder / f"{name}.md").write_text(table + "\n")
 
 
+def machine_counts(results: dict[str, dict]) -> dict[str, int]:
+    """{what a run computed on (CPU, precision, threads, torch): runs}, a resumed run once per machine."""
+    machines: dict[str, int] = {}
+    for result in results.values():
+        for entry in result.get("machines", []):
+            threads = f"{entry['threads']} thread" + ("s" if entry["threads"] != 1 else "")
+            key = f"{entry['cpu']} ({entry['precision']}, {threads}, torch {entry['torch']})"
+            machines[key] = machines.get(key, 0) + 1
+    return machines
+
+
 def pct(summary: dict[str, Any]) -> str:
     """mean ± std in percent."""
     return f"{100 * summary['mean']:.1f} ± {100 * summary['std']:.1f}"

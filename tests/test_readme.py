@@ -153,7 +153,13 @@ TOOLS = [(page, c) for page, c in PAGE_COMMANDS if c[0] == "mpp" and c[1] in MPP
 MODULES = [(page, c) for page, c in PAGE_COMMANDS if c[:2] == ["python", "-m"]]
 # Studies that take hours as written: run shrunk or as their plan (tool_arguments). The other modules'
 # lines (the comparison, the benchmarks) take minutes to hours too: their options are checked by --help.
-RUN_MODULES = ("experiments.study", "experiments.curve", "experiments.leakage", "experiments.levers")
+RUN_MODULES = (
+    "experiments.study",
+    "experiments.curve",
+    "experiments.leakage",
+    "experiments.levers",
+    "experiments.screen",
+)
 
 
 def command_id(value: object) -> str:
@@ -352,9 +358,15 @@ def tool_arguments(argv: list[str]) -> list[str]:
             "runs/study-readme",
         ]
     if tool == "curve":  # the embedded sample, one budget of 4 steps, 2 seeds; --plan as it is
-        return ["--plan"] if "--plan" in argv else ["--quick", "--budgets", "4", "--no-supervised", "--out", "runs/curve-readme"]
+        return (
+            ["--plan"]
+            if "--plan" in argv
+            else ["--quick", "--budgets", "4", "--no-supervised", "--out", "runs/curve-readme"]
+        )
     if tool == "leakage":
         return ["--quick", "--out", "runs/leakage-readme"]
+    if tool == "screen":  # the embedded sample, a few steps, a lever of each kind; --plan as it is
+        return ["--plan"] if "--plan" in argv else ["--quick", "--out", "runs/screen-readme"]
     if tool == "levers":  # hours of runs: what each lever's study would run (run quick: test_levers)
         return ["--plan"]
     return []
@@ -392,6 +404,12 @@ def check_output(user: Path, argv: list[str], stdout: str) -> None:
     if tool == "leakage":
         assert "| hybrid, mask_pixels | frozen |" in stdout and "hybrid - vit, frozen: " in stdout
         assert (user / argv[argv.index("--results") + 1] / "leakage.json").is_file()
+    if tool == "screen" and "--plan" in argv:
+        assert "mpp: steps: 500 / 1100 / 2900 / 10100 (in order)" in stdout and "scratch: fits: 9 runs" in stdout
+    elif tool == "screen":
+        assert "| mpp | ratio | 0.5 | " in stdout and "The screen has ended." in stdout, stdout[-3000:]
+        written = {path.name for path in (user / argv[argv.index("--results") + 1]).iterdir()}
+        assert written == {"screen.json", "screen.md", "ledger.json"}
     if tool == "levers":
         assert "levers: wide: a wider encoder" in stdout and "in all: 23 runs, 12,700 optimiser steps" in stdout
     if tool == "evaluate":
@@ -468,8 +486,15 @@ def test_module_commands_take_the_options_shown(usage: Callable[[str], str], com
 
 
 SOURCES = ("folder", "flat", "fashion-mnist", "cifar")
-HELPS = [["shards"], ["shards", "write"], *(["shards", "write", source] for source in SOURCES), ["shards", "inspect"],
-         ["export"], ["evaluate"], ["analyse"]]
+HELPS = [
+    ["shards"],
+    ["shards", "write"],
+    *(["shards", "write", source] for source in SOURCES),
+    ["shards", "inspect"],
+    ["export"],
+    ["evaluate"],
+    ["analyse"],
+]
 
 
 @pytest.mark.parametrize("command", HELPS, ids=" ".join)
@@ -496,7 +521,8 @@ def test_mpp_help_lists_every_command(user: Path) -> None:
     result, _ = run([console_script("mpp"), "pretrain"], user, env=user_env(user))
     assert result.returncode == 2 and result.stderr == (
         "mpp: error: no command pretrain: mpp's commands are fit, validate, test, predict, shards, export, evaluate, "
-        "analyse; `mpp --help` says what each does\n")
+        "analyse; `mpp --help` says what each does\n"
+    )
 
 
 def free_port() -> int:
