@@ -12,17 +12,32 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 BENCH_VENV  ?= .venv-bench
 BENCH_TORCH ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install demo study test test-slow bench test-bench clean
+.PHONY: install lock demo study test test-slow bench test-bench clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+# Every package at the version requirements.lock names (the ones `make test` passed with).
+$(VENV)/.installed: pyproject.toml requirements.lock Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[test]"
+	$(PIP) install -c requirements.lock -e ".[test]"
 	touch $@
 
 # Only set up the environment, e.g. in another place: `make install VENV=../mpp-venv`.
 install: $(VENV)/.installed
+
+# Resolve pyproject.toml's ranges afresh, in an environment of their own, into requirements.lock
+# (its comment lines kept; torch left to TORCH); then `make test` says whether the new versions pass.
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
+	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[test]"
+	{ grep '^#' requirements.lock; $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable \
+		| grep -v -E '^(torch|triton|nvidia-|pip)[=-]'; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock
+	rm -rf $(LOCK_VENV)
 
 # Pretrain a small ViT on the embedded FashionMNIST shards, then fine-tune it next to the same
 # classifier trained from scratch, and print the comparison (minutes on two CPU cores).
