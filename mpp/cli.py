@@ -22,19 +22,18 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelSummary, RichModelSummary
 from pytorch_lightning.cli import (
     LightningArgumentParser,
-    LightningCLI,
     SaveConfigCallback,
 )
 from pytorch_lightning.plugins.io import CheckpointIO
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
-from tqdm.auto import tqdm
 
 from mpp.config import register_parser_mode
 from mpp.console import Introduced, introduction, quiet_console, quiet_wandb
 from mpp.data.classes import fill_classes
 from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
+from mpp.internals import SubcommandParsers, open_progress_bars
 from mpp.model.checkpoint import read_checkpoint
 from mpp.precision import run_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
@@ -74,19 +73,19 @@ class LoggedConfig(SaveConfigCallback):
             logger.log_hyperparams({"config": config})
 
 
-class MPPCLI(LightningCLI):
+class MPPCLI(SubcommandParsers):
     """LightningCLI that says what it runs before fitting and where the results are after."""
+
+    trainer_made: pl.Trainer | None = None  # this process's run: where a failure says it can resume from
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault("parser_mode", register_parser_mode())
         return super().init_parser(**kwargs)
 
-    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
-        """Lightning's parser of a subcommand; predict's runs a PredictionWriter and takes its `--predictions.*`."""
-        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+    def subcommand_parser(self, subcommand: str, parser: LightningArgumentParser) -> None:
+        """predict runs a PredictionWriter and takes its `--predictions.*`."""
         if subcommand == "predict":
             parser.add_lightning_class_args(PredictionWriter, "predictions")
-        return parser
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config)
@@ -108,11 +107,11 @@ class MPPCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """The configured trainer, writing checkpoints atomically unless the config names a CheckpointIO."""
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        plugins = self.config_init.get(str(self.subcommand), self.config_init).get("trainer", {}).get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
-        trainer = super().instantiate_trainer(**kwargs)
+        trainer = MPPCLI.trainer_made = super().instantiate_trainer(**kwargs)
         # Lightning sets `callbacks` on the trainer at run time, undeclared.
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         # Where `rich` is installed (transformers brings it), Lightning swaps its model summary for a rich
@@ -121,7 +120,7 @@ class MPPCLI(LightningCLI):
         if not any(getattr(c, "class_path", "").endswith("RichModelSummary") for c in named):
             for index, callback in enumerate(callbacks):
                 if type(callback) is RichModelSummary:
-                    callbacks[index] = ModelSummary(max_depth=callback._max_depth)
+                    callbacks[index] = ModelSummary()  # as Lightning makes its rich one: the default depth
         callbacks.extend([RankFailure(), WandbRunCheckpoint()])
         if not any(isinstance(callback, RankOrderReduction) for callback in callbacks):
             callbacks.append(RankOrderReduction())
@@ -198,14 +197,6 @@ class MPPCLI(LightningCLI):
     def _wants_last(self) -> bool:
         return self.config[self.subcommand].get("ckpt_path") == "last"
 
-    def _run_subcommand(self, subcommand: str) -> None:
-        """Run it; a run that stops on a signal carries how to resume it, from the checkpoints there are."""
-        try:
-            super()._run_subcommand(subcommand)
-        except BaseException as stop:
-            stop.mpp_resume = resume_hint(self.trainer)  # type: ignore[attr-defined]  # read by main()
-            raise
-
     def _say_precision(self) -> None:
         """Evaluation prints no summary; it still says when it runs in another precision than the config's."""
         note = getattr(self, "precision_note", "")
@@ -262,11 +253,10 @@ def model_keys(argv: list[str]) -> list[str]:
     return keys
 
 
-def resumed(stop: BaseException, message: str = "resume with --ckpt_path last") -> str:
+def resumed(message: str = "resume with --ckpt_path last") -> str:
     """`message`, its "resume with --ckpt_path last" told by the checkpoints the stopped run left."""
-    hint = getattr(stop, "mpp_resume", None)
-    default = "resume with --ckpt_path last"
-    return message[: -len(default)] + hint if hint and message.endswith(default) else message
+    trainer, default = MPPCLI.trainer_made, "resume with --ckpt_path last"
+    return message[: -len(default)] + resume_hint(trainer) if trainer and message.endswith(default) else message
 
 
 def redact_logs() -> None:
@@ -279,7 +269,7 @@ def redact_logs() -> None:
 
 def end_progress_bars() -> None:
     """Close the progress bars a failed run left open, so that what follows starts a line of its own."""
-    for bar in list(getattr(tqdm, "_instances", ())):
+    for bar in open_progress_bars():
         bar.close()
 
 
@@ -293,6 +283,7 @@ def main(args: list[str] | None = None) -> None:
         sys.argv[1:] = argv
     quiet_console(debug=debug)
     redact_logs()
+    MPPCLI.trainer_made = None
     keep_arguments_out_of_wandb([*sys.argv, *argv])
     choose_wandb_mode()
     try:
@@ -308,7 +299,7 @@ def main(args: list[str] | None = None) -> None:
         )
     except SIGTERMException as stop:  # Lightning stops between steps after a SIGTERM, with exit code 0
         end_progress_bars()
-        print(f"mpp: stopped by SIGTERM; {resumed(stop)}", file=sys.stderr, flush=True)
+        print(f"mpp: stopped by SIGTERM; {resumed()}", file=sys.stderr, flush=True)
         raise SystemExit(128 + signal.SIGTERM) from stop
     except Exception as error:
         if debug:
@@ -316,15 +307,11 @@ def main(args: list[str] | None = None) -> None:
         rank = getattr(rank_zero_only, "rank", 0)
         where = f" (rank {rank})" if rank else ""
         end_progress_bars()
-        print(redact(f"mpp: error{where}: {resumed(error, explain(error))}"), file=sys.stderr, flush=True)
+        print(redact(f"mpp: error{where}: {resumed(explain(error))}"), file=sys.stderr, flush=True)
         raise SystemExit(exit_code(error)) from None
     except KeyboardInterrupt as error:
         if debug:
             raise
         end_progress_bars()
-        print(f"mpp: {resumed(error, explain(error))}", file=sys.stderr, flush=True)
+        print(f"mpp: {resumed(explain(error))}", file=sys.stderr, flush=True)
         raise SystemExit(exit_code(error)) from None
-
-
-if __name__ == "__main__":
-    main()

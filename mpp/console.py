@@ -16,6 +16,9 @@ from typing import Any
 from jsonargparse import DefaultHelpFormatter
 from pytorch_lightning.loggers import WandbLogger
 
+from mpp.commands.names import COMMANDS, RUN_COMMANDS
+from mpp.internals import drop_unset_anonymous
+
 
 class _DropLitLoggerTip(logging.Filter):
     """Lightning's advertisement for its own logging service, logged at INFO with its progress lines."""
@@ -59,9 +62,7 @@ def quiet_wandb(loggers: list[Any]) -> None:
     for logger in loggers:
         if not isinstance(logger, WandbLogger):
             continue
-        init = getattr(logger, "_wandb_init", None)
-        if isinstance(init, dict) and "anonymous" in init and init["anonymous"] is None:
-            del init["anonymous"]
+        drop_unset_anonymous(logger)
         if logger.save_dir:
             Path(logger.save_dir).mkdir(parents=True, exist_ok=True)
 
@@ -69,7 +70,7 @@ def quiet_wandb(loggers: list[Any]) -> None:
 EXAMPLES = (
     ("pretrain a small ViT on the embedded sample, no labels", "mpp fit --config configs/pretrain/demo.yaml"),
     ("fine-tune its encoder on labels", "mpp fit --config configs/finetune/demo.yaml"),
-    ("all three and the table: pretrained vs from scratch", "python -m experiments.compare --out runs/demo"),
+    ("the same classifier from scratch, to compare", "mpp fit --config configs/scratch/demo.yaml"),
 )
 
 
@@ -110,8 +111,6 @@ def introduction() -> str:
                 "encoder sizes, e.g. --model.encoder configs/model/vit_l.yaml"
             )
         lines.append("")
-    from mpp.commands import COMMANDS, RUN_COMMANDS
-
     lines.append("commands (`mpp <command> --help` for each):")
     about = {**RUN_COMMANDS, **{name: what for name, (_, what) in COMMANDS.items()}}
     lines += [f"  {name:<9} {what}" for name, what in about.items()]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+from lightning_fabric.utilities.cloud_io import get_filesystem
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
 
@@ -101,12 +102,21 @@ def name_checkpoint_folders(trainer: pl.Trainer) -> None:
 
 
 def last_checkpoints(trainer: pl.Trainer) -> list[str]:
-    """The `last*.ckpt` files in the run's checkpoint folders: what `--ckpt_path last` resumes from."""
+    """The `last*.ckpt` files in the run's checkpoint folders: what `--ckpt_path last` resumes from (the
+    files Lightning looks for there: named from the callback's CHECKPOINT_NAME_LAST and FILE_EXTENSION)."""
     found: set[str] = set()
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
-            found |= callback._find_last_checkpoints(trainer)
+            fs = get_filesystem(callback.dirpath)
+            if fs.isdir(callback.dirpath):
+                names = fs.ls(callback.dirpath, detail=False)
+                found |= {os.path.normpath(name) for name in names if is_last(callback, Path(name).name)}
     return sorted(found)
+
+
+def is_last(callback: ModelCheckpoint, name: str) -> bool:
+    last = callback.CHECKPOINT_NAME_LAST or "last"
+    return name.startswith(last) and name.endswith(callback.FILE_EXTENSION)
 
 
 def resume_hint(trainer: pl.Trainer) -> str:

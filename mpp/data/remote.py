@@ -37,7 +37,6 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import webdataset
 
-from mpp.data.urls import check_pipe_allowed
 from mpp.secrets import redact
 
 BLOCK_SIZE = 8 << 20  # bytes per bucket request: tar shards are read front to back
@@ -50,6 +49,15 @@ _HINTS = {
     "s3": "; check the bucket and key, the AWS credentials and, for a non-AWS endpoint, AWS_ENDPOINT_URL",
     "gs": "; check the bucket and object, the Google credentials and, for an emulator, STORAGE_EMULATOR_HOST",
 }
+
+
+def check_pipe_allowed(url: str, *, allow_pipe: bool) -> None:
+    """Refuse a `pipe:` URL unless the config opted in: it runs an arbitrary shell command."""
+    if url.startswith("pipe:") and not allow_pipe:
+        raise ValueError(
+            f"refusing shard {url!r}: pipe: URLs run shell commands; "
+            "set allow_pipe=True in the data config if you trust this command"
+        )
 
 
 class ShardOpenError(OSError):
@@ -124,12 +132,14 @@ def _one_try_s3() -> Any:
 
 
 def _one_try_gcs() -> Any:
-    """gcsfs whose requests are tried once (its `_request` without the retry decorator), each within ATTEMPT_TIMEOUT."""
+    """gcsfs whose requests are tried once (mpp.internals.gcs_request_once), each within ATTEMPT_TIMEOUT."""
     import aiohttp
     import gcsfs
 
+    from mpp.internals import gcs_request_once
+
     class OneTryGCSFileSystem(gcsfs.GCSFileSystem):
-        _request = gcsfs.GCSFileSystem._request.__wrapped__
+        _request = gcs_request_once()
 
     timeout = aiohttp.ClientTimeout(total=None, connect=ATTEMPT_TIMEOUT, sock_read=ATTEMPT_TIMEOUT)
     return OneTryGCSFileSystem(skip_instance_cache=True, requests_timeout=timeout)

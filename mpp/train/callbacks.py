@@ -99,7 +99,7 @@ class ProgressBar(TQDMProgressBar):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return
         bar, step = self.train_progress_bar, trainer.global_step
-        if self._should_update(step, bar.total) and not bar.disable:
+        if self.is_enabled and (step % self.refresh_rate == 0 or step == bar.total) and not bar.disable:
             bar.n = step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
 

@@ -7,23 +7,20 @@ import math
 
 import pytorch_lightning as pl
 
+from mpp.internals import drop_train_loader, train_loader_loaded
+
 
 def total_steps(trainer: pl.Trainer) -> int:
     """Optimiser steps of the run, which the learning-rate schedule spans.
 
-    Where the run's length is in epochs, Lightning counts the steps by loading the train loader,
-    before it restores a checkpoint being resumed, and then never gives that loader the state the
-    checkpoint holds for it (Lightning issue #20550): the epoch would start afresh. The loader it
-    loaded is dropped here, so that the fit loop loads it again after the restore, with its state.
+    Where the run's length is in epochs, Lightning counts the steps by loading the train loader
+    before it restores a checkpoint being resumed (Lightning issue #20550): the loader it loaded for
+    that is dropped (mpp.internals.drop_train_loader), so that it is loaded again with its state.
     """
-    fit_loop = trainer.fit_loop
-    loaded = fit_loop._combined_loader is not None
+    loaded = train_loader_loaded(trainer.fit_loop)
     steps = trainer.estimated_stepping_batches
-    if not loaded and fit_loop._combined_loader is not None:  # a fresh run loads it twice
-        if fit_loop._data_fetcher is not None:
-            fit_loop._data_fetcher.teardown()
-            fit_loop._data_fetcher = None
-        fit_loop._combined_loader = None
+    if not loaded and train_loader_loaded(trainer.fit_loop):  # a fresh run loads it twice
+        drop_train_loader(trainer.fit_loop)
     if not math.isfinite(steps):
         raise ValueError("the run's length is unknown: set trainer.max_steps (the schedule decays over it)")
     return int(steps)

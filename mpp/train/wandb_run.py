@@ -50,6 +50,7 @@ from lightning_fabric.utilities.cloud_io import get_filesystem
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
 
+from mpp.internals import quiet_run
 from mpp.secrets import redact
 from mpp.train.wandb_records import FILE_HEADER, read_records
 
@@ -220,12 +221,9 @@ def finish_quietly(run: Any) -> None:
     attempt's folder alone, where a resumed run has one per attempt) and "Find logs at:
     <folder>/logs". Finished here, the run follows its `quiet` setting: those lines go, W&B's
     warnings and errors stay, and so do, online, the run's and the project's pages, which mpp does
-    not name. wandb has no public way to change a started run's settings: where its private
-    `_settings` has no `quiet`, W&B's lines stay.
+    not name. wandb has no public way to change a started run's settings (mpp.internals.quiet_run).
     """
-    settings = getattr(run, "_settings", None)
-    if settings is not None and hasattr(settings, "quiet"):
-        settings.quiet = True
+    quiet_run(run)
     run.finish()
 
 
