@@ -40,7 +40,7 @@ ARMS = {"finetune": "MPP pretrained, fine-tuned", "scratch": "from scratch"}
 
 def mpp(*args: str) -> float:
     """Run the `mpp` command in a subprocess, stream its output, return its wall time in seconds."""
-    command = [sys.executable, "-m", "mpp.cli", *args]
+    command = [sys.executable, "-m", "mpp", *args]
     print("+ mpp " + " ".join(args[:3]) + " ...", flush=True)
     start = time.perf_counter()
     subprocess.run(command, cwd=ROOT, check=True)

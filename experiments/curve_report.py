@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from experiments.curve import LABELS, SCRATCH_ARMS, Curve, CurvePlan, outline, pretrain_name  # noqa: E402
+from experiments.curve_plan import LABELS, SCRATCH_ARMS, Curve, CurvePlan, outline, pretrain_name  # noqa: E402
 from experiments.plan import Job, kind_of, lr_name  # noqa: E402
 from experiments.report import interval, machine_counts, pct, write_results  # noqa: E402
 from experiments.runner import read_results, test_reads  # noqa: E402

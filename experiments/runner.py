@@ -94,7 +94,7 @@ def output_to(path: Path) -> Iterator[None]:
 
 def cli(args: list[str]) -> None:
     """`mpp <args>` in this process; a failure raises."""
-    from mpp.cli import main
+    from mpp.commands import main
 
     try:
         main(args)

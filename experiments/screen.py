@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from experiments.curve import LABELS, val_every, without_time
+from experiments.curve import without_time
+from experiments.curve_plan import LABELS, val_every
 from experiments.ledger import NAME, go_on_from, write_ledger
 from experiments.plan import Job, Plan, lr_name, seeded, steps_of
 from experiments.report import machine_counts, write_results

@@ -39,7 +39,7 @@ def print_config(*args: str) -> str:
 def mpp(*args: str, run_dir: Path) -> subprocess.CompletedProcess:
     """The console script in a subprocess, offline, with its run under `run_dir`."""
     env = environment()
-    command = [sys.executable, "-m", "mpp.cli", *args, "--trainer.default_root_dir", str(run_dir)]
+    command = [sys.executable, "-m", "mpp", *args, "--trainer.default_root_dir", str(run_dir)]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=time_limit(600))
 
 
@@ -170,7 +170,7 @@ def test_credentials_reach_no_saved_config_log_checkpoint_or_wandb_record(tmp_pa
     signed = f"http://127.0.0.1:{server.server_address[1]}/train-{{000000..000001}}.tar?X-Amz-Signature={secrets['signature']}"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "WANDB_API_KEY": secrets["WANDB_API_KEY"], "AWS_SECRET_ACCESS_KEY": secrets["AWS_SECRET_ACCESS_KEY"]}
-    command = [sys.executable, "-m", "mpp.cli", "fit", "--config", str(DEMO), *QUICK, "--trainer.max_steps", "2",
+    command = [sys.executable, "-m", "mpp", "fit", "--config", str(DEMO), *QUICK, "--trainer.max_steps", "2",
                "--data.train", signed, "--data.val", signed, "--trainer.default_root_dir", str(tmp_path)]
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=time_limit(600))

@@ -18,7 +18,7 @@ from mpp.train.wandb_records import history
 def test_demo_pretraining_beats_the_majority_class(tmp_path):
     env = environment()
     result = subprocess.run(
-        [sys.executable, "-m", "mpp.cli", "fit", "--config", "configs/pretrain/demo.yaml",
+        [sys.executable, "-m", "mpp", "fit", "--config", "configs/pretrain/demo.yaml",
          "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=time_limit(1800),
     )

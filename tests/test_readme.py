@@ -612,7 +612,7 @@ def test_readme_torchrun_recipe_on_one_node_of_two_cpu_processes(user: Path, s3:
     for index, arg in enumerate(launcher):
         if arg in values:
             launcher[index + 1] = values[arg]
-    argv = [console_script("torchrun"), *launcher, "-m", "mpp.cli", "fit", *recipe(command, after="fit")]
+    argv = [console_script("torchrun"), *launcher, "-m", "mpp", "fit", *recipe(command, after="fit")]
     result, seconds = run(argv, user, env=user_env(user, **exported, **s3))
     assert result.returncode == 0, result.stderr[-5000:]
     out = result.stdout + result.stderr

@@ -20,6 +20,7 @@ from typing import Any
 
 import braceexpand
 
+from mpp.data.remote import check_pipe_allowed, open_url
 from mpp.shards.format import INDEX_HINT, ShardError, parse_index
 from mpp.shards.images import IMAGE_EXTENSIONS
 
@@ -105,8 +106,6 @@ def read_index(url: str) -> dict[str, Any]:
 def _read_index(url: str) -> bytes:
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme in REMOTE_SCHEMES:
-        from mpp.data.remote import open_url  # imported here: mpp.data.remote imports this module
-
         with open_url(url) as stream:
             data = stream.read(INDEX_LIMIT + 1)
     elif scheme in ("", "file"):
@@ -207,12 +206,3 @@ def holds_images(folder: str) -> bool:
 
 def _relative(path: str) -> str:
     return "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
-
-
-def check_pipe_allowed(url: str, *, allow_pipe: bool) -> None:
-    """Refuse a `pipe:` URL unless the config opted in: it runs an arbitrary shell command."""
-    if url.startswith("pipe:") and not allow_pipe:
-        raise ValueError(
-            f"refusing shard {url!r}: pipe: URLs run shell commands; "
-            "set allow_pipe=True in the data config if you trust this command"
-        )

@@ -32,7 +32,7 @@ def mpp(*args: str, root: Path, **env: str) -> tuple[int, list[str]]:
 def console(*args: str, root: Path, **env: str) -> tuple[int, list[str]]:
     """`mpp <args>` in a subprocess with its run under `root` -> (exit code, the lines it printed on stdout and
     stderr, in the order printed, without colours)."""
-    command = [sys.executable, "-m", "mpp.cli", *args, *QUICK, "--trainer.default_root_dir", str(root)]
+    command = [sys.executable, "-m", "mpp", *args, *QUICK, "--trainer.default_root_dir", str(root)]
     done = subprocess.run(command, cwd=ROOT, env=environment(PYTHONUNBUFFERED="1", **env), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=time_limit(300))
     return done.returncode, re.sub(r"\x1b\[[\d;]*m", "", done.stdout).splitlines()

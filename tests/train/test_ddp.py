@@ -51,7 +51,7 @@ def labelled_shards(folder: Path, prefix: str, sizes: list[int], *, first: int =
 
 def mpp(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = environment()
-    return subprocess.run([sys.executable, "-m", "mpp.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mpp", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=time_limit(timeout))
 
 

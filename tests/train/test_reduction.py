@@ -97,7 +97,7 @@ def test_the_switch_shown_in_the_docs_sets_when(tmp_path: Path) -> None:
     page = (ROOT / "docs" / "robustness.md").read_text()
     (switch,) = re.findall(r"`(--trainer\.callbacks\+=mpp\.train\.reduction\.RankOrderReduction [^`]+)`", page)
     config = ROOT / "configs" / "pretrain" / "demo.yaml"
-    shown = subprocess.run([sys.executable, "-m", "mpp.cli", "fit", "--config", str(config), *switch.split(),
+    shown = subprocess.run([sys.executable, "-m", "mpp", "fit", "--config", str(config), *switch.split(),
                             "--print_config"], cwd=tmp_path, env=environment(), capture_output=True, text=True,
                            timeout=time_limit(120))
     assert shown.returncode == 0, shown.stderr[-3000:]

@@ -54,7 +54,7 @@ def demo_fit(folder: Path, tag: str, extra: list[str], *, resume: bool = False, 
     checkpoints = {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint", "init_args": {
         "dirpath": str(folder / "ckpt" / tag.split("-")[0]), "filename": "step{step}", "every_n_train_steps": EVERY,
         "save_top_k": -1, "save_last": True}}
-    argv = [sys.executable, "-m", "mpp.cli", "fit", "--config", "configs/trainer/cpu.yaml",
+    argv = [sys.executable, "-m", "mpp", "fit", "--config", "configs/trainer/cpu.yaml",
             "--config", "configs/pretrain/demo.yaml", "--trainer.max_steps", str(MAX_STEPS),
             "--trainer.val_check_interval", "5", "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
             "--trainer.default_root_dir", f"runs/{tag.split('-')[0]}",

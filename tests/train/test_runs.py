@@ -34,7 +34,7 @@ def mpp_fit(config: dict, tmp_path: Path, *args: str, timeout: float = 240) -> s
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "mpp.cli", "fit", "--config", str(path), *args]
+    command = [sys.executable, "-m", "mpp", "fit", "--config", str(path), *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=time_limit(timeout))
 
 
