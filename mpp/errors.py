@@ -40,6 +40,18 @@ class RunStopped(RuntimeError):
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def refuse_invalid(owner: str, config: object, checks: list[tuple[str, bool, str]]) -> None:
+    """One ValueError naming every field of `config` whose check (name, holds, what it must be) fails,
+    each as `<owner>.<name>=<value> is invalid; it must be ...`; nothing where all hold."""
+    bad = [
+        f"{owner}.{name}={getattr(config, name)!r} is invalid; it must be {wanted}"
+        for name, ok, wanted in checks
+        if not ok
+    ]
+    if bad:
+        raise ValueError("; and ".join(bad))
+
+
 def stop_signal(text: str) -> int | None:
     """The stopping signal in torch's "killed by signal: <name>." words, if any."""
     match = re.search(r"killed by signal: ([^.]+)\.", text)

@@ -5,9 +5,9 @@ measured during training, on the run's own shards or shards of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import replace
-from typing import cast
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
+from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -18,23 +18,17 @@ from mpp.data.classes import listed_classes_of
 from mpp.data.loader import EmptyEpochError
 from mpp.data.module import ShardDataModule, ShardSpec, run_shards
 from mpp.data.stream import EmptyShardsError
+from mpp.errors import refuse_invalid
 from mpp.eval.frozen import FrozenScores, extract_features, fewshot_data, limited, score_features
-from mpp.eval.linear import DEFAULTS, FewShotSettings
+from mpp.eval.linear import FewShotSettings
 from mpp.model.vit import ViT
 
 log = logging.getLogger("mpp")
 
 
-class FewShotEvaluation(pl.Callback):
-    """Logs `fewshot/<n>shot` (linear few-shot accuracy of the frozen encoder's y), `fewshot/knn` and
-    `fewshot/linear` (k-NN and linear-probe accuracy from all the training labels read) and
-    `fewshot/linear_l2` (the probe's chosen l2) at the start of training, every `every_n_steps` steps
-    and at the end, on rank zero. The three come from one extraction of the features.
-
-    Uses the module's `encoder` and `normalise`, so it runs under pretraining and fine-tuning alike.
-    Features come from the first `max_train` samples of `train` (labelled shards that mix the
-    classes) and the first `max_test` of `test`, with the evaluation transform, in shard order.
-    The defaults are DEFAULTS (FewShotSettings), which evaluate_checkpoint and mpp evaluate share.
+@dataclass(frozen=True)
+class FewShotConfig(FewShotSettings):
+    """The few-shot callback's keys: the images it reads, and the evaluation's settings.
 
     Args:
         train: labelled shards the n-shot examples are drawn from; null (the default): the run's
@@ -59,64 +53,54 @@ class FewShotEvaluation(pl.Callback):
             refitted on all of them.
         batch_size: images per forward pass.
         num_workers: DataLoader workers (0 reads in the training process; more reorder the samples).
-        eval_crop_fraction: as ShardDataModule's.
+        eval_crop_fraction: as data.eval_crop_fraction.
     """
 
-    def __init__(
-        self,
-        *,
-        train: ShardSpec | None = None,
-        test: ShardSpec | None = None,
-        num_classes: int | None = None,
-        image_size: int | tuple[int, int] | None = None,
-        channels: int | None = None,
-        shots: Sequence[int] = DEFAULTS.shots,
-        seeds: int = DEFAULTS.seeds,
-        every_n_steps: int = DEFAULTS.every_n_steps,
-        max_train: int = DEFAULTS.max_train,
-        max_test: int = DEFAULTS.max_test,
-        l2: float = DEFAULTS.l2,
-        knn_k: int = DEFAULTS.knn_k,
-        knn_temperature: float = DEFAULTS.knn_temperature,
-        probe_l2s: Sequence[float] = DEFAULTS.probe_l2s,
-        probe_held_out: float = DEFAULTS.probe_held_out,
-        batch_size: int = DEFAULTS.batch_size,
-        num_workers: int = DEFAULTS.num_workers,
-        eval_crop_fraction: float = DEFAULTS.eval_crop_fraction,
-    ) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"FewShotEvaluation.every_n_steps must be at least 1, got {every_n_steps}")
-        if not shots or min(shots) < 1:
-            raise ValueError(f"FewShotEvaluation.shots must be positive counts, got {list(shots)}")
-        if knn_k < 1 or knn_temperature <= 0:
-            raise ValueError(
-                f"FewShotEvaluation.knn_k must be at least 1 and knn_temperature positive, got {knn_k} and {knn_temperature}"
-            )
-        if not probe_l2s or min(probe_l2s) <= 0 or not 0 < probe_held_out < 1:
-            raise ValueError(
-                "FewShotEvaluation.probe_l2s must be positive values and probe_held_out a fraction between 0 and 1, "
-                f"got {list(probe_l2s)} and {probe_held_out}"
-            )
-        # The config's keys are these arguments (the CLI reads the signature); past here, one settings object.
-        self.settings = FewShotSettings(
-            shots=tuple(shots),
-            seeds=seeds,
-            every_n_steps=every_n_steps,
-            max_train=max_train,
-            max_test=max_test,
-            l2=l2,
-            knn_k=knn_k,
-            knn_temperature=knn_temperature,
-            probe_l2s=tuple(probe_l2s),
-            probe_held_out=probe_held_out,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            eval_crop_fraction=eval_crop_fraction,
-        )
-        self.num_classes: int | None = None
-        self._check_classes(num_classes, given=True)
-        self.specs = {"train": train, "test": test}
-        self.image_size, self.channels = image_size, channels
+    train: ShardSpec | None = None
+    test: ShardSpec | None = None
+    num_classes: int | None = None
+    image_size: int | tuple[int, int] | None = None
+    channels: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shots", tuple(self.shots))  # a list given in Python, kept as the config's tuple
+        object.__setattr__(self, "probe_l2s", tuple(self.probe_l2s))
+        shots, classes = self.shots, self.num_classes
+        refuse_invalid("FewShotEvaluation", self, [
+            ("every_n_steps", self.every_n_steps >= 1, "at least 1"),
+            ("shots", bool(shots) and min(shots) >= 1, "positive counts"),
+            ("knn_k", self.knn_k >= 1, "at least 1"),
+            ("knn_temperature", self.knn_temperature > 0, "positive"),
+            ("probe_l2s", bool(self.probe_l2s) and min(self.probe_l2s) > 0, "positive values"),
+            ("probe_held_out", 0 < self.probe_held_out < 1, "a fraction between 0 and 1"),
+            ("max_train", not shots or classes is None or self.max_train >= classes * max(shots),
+             f"enough for {max(shots or (0,))} shots of {classes} classes"),
+        ])  # fmt: skip
+
+    @property
+    def settings(self) -> FewShotSettings:
+        """The evaluation's settings, as evaluate_checkpoint and mpp evaluate take them."""
+        return FewShotSettings(**{field.name: getattr(self, field.name) for field in fields(FewShotSettings)})
+
+
+class FewShotEvaluation(pl.Callback):
+    """Logs `fewshot/<n>shot` (linear few-shot accuracy of the frozen encoder's y), `fewshot/knn` and
+    `fewshot/linear` (k-NN and linear-probe accuracy from all the training labels read) and
+    `fewshot/linear_l2` (the probe's chosen l2) at the start of training, every `every_n_steps` steps
+    and at the end, on rank zero. The three come from one extraction of the features.
+
+    Uses the module's `encoder` and `normalise`, so it runs under pretraining and fine-tuning alike.
+    Features come from the first `max_train` samples of `train` (labelled shards that mix the
+    classes) and the first `max_test` of `test`, with the evaluation transform, in shard order.
+    Its keys are FewShotConfig's; their defaults DEFAULTS (FewShotSettings), which evaluate_checkpoint
+    and mpp evaluate share.
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        self.config = FewShotConfig(**settings)
+        self.settings = self.config.settings
+        self.num_classes = self.config.num_classes
+        self.specs = {"train": self.config.train, "test": self.config.test}
         self.data: ShardDataModule | None = None
         self.last_step: int | None = None
         self.said_shots = self.off = self.following = False
@@ -137,8 +121,9 @@ class FewShotEvaluation(pl.Callback):
         self.following = self.specs["train"] is None or self.specs["test"] is None
         if self.num_classes is None:
             listed = listed_classes_of(train)
-            self._check_classes(None if listed is None else len(listed[0]))
-        self.data = fewshot_data(train, test, self.settings, image_size=self.image_size, channels=self.channels)
+            self.num_classes = None if listed is None else len(listed[0])
+        config = self.config
+        self.data = fewshot_data(train, test, self.settings, image_size=config.image_size, channels=config.channels)
         try:  # checked against, and completed from, the module's encoder, as the run's own data is
             self.data.setup(rank=0, world_size=1, encoder=getattr(pl_module, "encoder_config", None))
         except ValueError as error:
@@ -154,16 +139,6 @@ class FewShotEvaluation(pl.Callback):
                 "give FewShotEvaluation.train and .test"
             )
         return train, test
-
-    def _check_classes(self, num_classes: int | None, *, given: bool = False) -> None:
-        """Keep K (None: from the index or the labels read). A K given with the callback must leave room for
-        max(shots) of each class in max_train; one read from the shards leaves out the shots they cannot serve."""
-        max_train, shots = self.settings.max_train, self.settings.shots
-        if given and num_classes is not None and max_train < num_classes * max(shots):
-            raise ValueError(
-                f"FewShotEvaluation.max_train={max_train} cannot hold {max(shots)} shots of {num_classes} classes"
-            )
-        self.num_classes = num_classes
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FrozenScores | None:
         """Extract both feature sets with the current encoder, score every n, k-NN and the probe on them; log
@@ -210,9 +185,9 @@ class FewShotEvaluation(pl.Callback):
             assert self.data is not None
             shards = " and ".join(str(spec) for spec in self.data.specs.values() if spec is not None)
             return (), f"{shards} hold unlabelled samples (no .cls)"
-        if self.num_classes is None:
-            self._check_classes(int(max(labels.max(), test_labels.max())) + 1)
-        fewest = int(torch.bincount(labels, minlength=cast(int, self.num_classes)).min())
+        if self.num_classes is None:  # K read from the shards: the shots they cannot serve are left out
+            self.num_classes = int(max(labels.max(), test_labels.max())) + 1
+        fewest = int(torch.bincount(labels, minlength=self.num_classes).min())
         served = tuple(n for n in self.settings.shots if n <= fewest)
         if not served:
             return (), (

@@ -19,7 +19,7 @@ BIAS_FEATURE = 100.0
 @dataclass(frozen=True)
 class FewShotSettings:
     """The defaults of frozen-encoder evaluation, for the callback, evaluate_checkpoint and mpp evaluate alike
-    (what each means: FewShotEvaluation's Args). One worker count for all: DataLoader workers split the
+    (what each means: mpp.eval.fewshot.FewShotConfig's Args). One worker count for all: DataLoader workers split the
     shards between them, which changes which samples come first, and so the accuracy.
 
     k-NN takes DINO's k = 20 and temperature 0.07. The probe's l2 grid is the powers of 4 from 4^-2 to

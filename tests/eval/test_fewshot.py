@@ -21,10 +21,10 @@ from workspace import mpp_command
 import mpp.commands.evaluate as evaluate_command
 import mpp.eval.fewshot
 from mpp import MaskedPatchPretraining, OptimizerConfig, ShardDataModule, ViT, ViTConfig
-from mpp.eval.fewshot import DEFAULTS, FewShotEvaluation, extract_features
+from mpp.eval.fewshot import FewShotEvaluation, extract_features
 from mpp.eval.frozen import evaluate_checkpoint, score_features
 from mpp.eval.knn import knn_accuracy, knn_predictions
-from mpp.eval.linear import choose_l2, fewshot_accuracy, fewshot_evaluation, linear_probe, pick_shots
+from mpp.eval.linear import DEFAULTS, choose_l2, fewshot_accuracy, fewshot_evaluation, linear_probe, pick_shots
 
 
 def clusters(per_class: int, *, classes: int = 10, dim: int = 32, noise: float = 0.1, seed: int = 0):
@@ -168,9 +168,9 @@ def test_features_are_extracted_without_a_graph_and_in_the_asked_precision(tmp_p
 def test_callback_refuses_a_train_set_too_small_for_its_shots_and_knn_or_probe_settings_that_cannot_work():
     with pytest.raises(ValueError, match="max_train=20"):
         FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, shots=(1, 5), max_train=20)
-    with pytest.raises(ValueError, match="FewShotEvaluation.knn_k must be at least 1"):
+    with pytest.raises(ValueError, match="FewShotEvaluation.knn_k=0 is invalid; it must be at least 1"):
         FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, knn_k=0)
-    with pytest.raises(ValueError, match=r"FewShotEvaluation.probe_l2s .* got \[1.0\] and 1.0"):
+    with pytest.raises(ValueError, match=r"FewShotEvaluation.probe_held_out=1.0 is invalid; it must be a fraction"):
         FewShotEvaluation(train="a.tar", test="b.tar", num_classes=10, probe_l2s=[1.0], probe_held_out=1.0)
 
 
