@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from mpp.config import read_config  # noqa: E402
 from mpp.eval.frozen import FrozenScores, evaluate_checkpoint  # noqa: E402
 from mpp.eval.linear import DEFAULTS  # noqa: E402
-from mpp.train.wandb_records import history  # noqa: E402
+from mpp.outputs.wandb_records import history  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"finetune": "MPP pretrained, fine-tuned", "scratch": "from scratch"}

@@ -35,6 +35,15 @@ from mpp.data.module import ShardDataModule
 from mpp.errors import ConfigError, debugging, exit_code, explain
 from mpp.internals import SubcommandParsers, open_progress_bars
 from mpp.model.checkpoint import read_checkpoint
+from mpp.outputs.checkpoint_io import AtomicCheckpointIO, check_checkpoint
+from mpp.outputs.predictions import PredictionWriter
+from mpp.outputs.wandb_run import (
+    WandbRunCheckpoint,
+    choose_wandb_mode,
+    continue_checkpointed_run,
+    flush_records_often,
+    keep_arguments_out_of_wandb,
+)
 from mpp.precision import run_precision
 from mpp.secrets import RedactingFilter, redact, redact_tree
 from mpp.summary import (
@@ -46,16 +55,7 @@ from mpp.summary import (
     run_summary,
 )
 from mpp.train.callbacks import RankFailure
-from mpp.train.checkpoint_io import AtomicCheckpointIO, check_checkpoint
-from mpp.train.predictions import PredictionWriter
 from mpp.train.reduction import RankOrderReduction
-from mpp.train.wandb_run import (
-    WandbRunCheckpoint,
-    choose_wandb_mode,
-    continue_checkpointed_run,
-    flush_records_often,
-    keep_arguments_out_of_wandb,
-)
 
 log = logging.getLogger("mpp")
 

@@ -60,7 +60,7 @@ def drop_unset_anonymous(logger: Any) -> None:
 
 def quiet_run(run: Any) -> None:
     """Set a started W&B run's `quiet` setting (`run._settings`): wandb has no public way to change a
-    started run's settings, and `quiet` leaves out its closing lines (mpp.train.wandb_run.finish_quietly)."""
+    started run's settings, and `quiet` leaves out its closing lines (mpp.outputs.wandb_run.finish_quietly)."""
     settings = getattr(run, "_settings", None)
     if settings is not None and hasattr(settings, "quiet"):
         settings.quiet = True
@@ -170,7 +170,7 @@ RELIED_ON = (
     Reliance("pytorch_lightning", "LightningCLI._prepare_subcommand_parser", "mpp.cli.MPPCLI", _subcommand_parsers),
     Reliance("gcsfs", "GCSFileSystem._request.__wrapped__", "mpp.data.remote", _gcs_request),
     Reliance("pytorch_lightning", "WandbLogger._wandb_init", "mpp.console.quiet_wandb", _wandb_logger),
-    Reliance("wandb", "Run._settings.quiet", "mpp.train.wandb_run.finish_quietly", _wandb_run),
+    Reliance("wandb", "Run._settings.quiet", "mpp.outputs.wandb_run.finish_quietly", _wandb_run),
     Reliance("tqdm", "tqdm._instances", "mpp.cli.end_progress_bars", _tqdm),
 )
 

@@ -29,6 +29,12 @@ imports of the old module names are not mapped: they fail, and the table below n
     mpp.model.interop -> mpp.model.layouts (tensor names, timm's sizes), mpp.model.export (writing an
         export), mpp.model.checkpoint (config_from_timm, config_from_hf: reading one back)
     mpp.train.optim's total_steps, global_batch_size, log_interval, logging_step -> mpp.train.steps
+
+0.3.0, what a run leaves behind apart from training:
+
+    mpp.train.wandb_run, wandb_records, predictions, prediction_pictures, checkpoint_io -> mpp.outputs
+    mpp.train.callbacks.ThroughputMonitor -> mpp.train.callbacks.ImageThroughput (Lightning has its own
+        ThroughputMonitor)
 """
 
 from __future__ import annotations
@@ -46,12 +52,12 @@ MOVED_MODULES = {
     "mpp.optim": "mpp.train.optim",
     "mpp.guards": "mpp.train.nonfinite_loss",
     "mpp.callbacks": "mpp.train.callbacks",
-    "mpp.pictures": "mpp.train.prediction_pictures",
+    "mpp.pictures": "mpp.outputs.prediction_pictures",
     "mpp.strategies": "mpp.train.strategies",
-    "mpp.checkpointing": "mpp.train.checkpoint_io",
-    "mpp.wandb_run": "mpp.train.wandb_run",
+    "mpp.checkpointing": "mpp.outputs.checkpoint_io",
+    "mpp.wandb_run": "mpp.outputs.wandb_run",
     "mpp.fewshot": "mpp.eval.fewshot",
-    "mpp.wandb_records": "mpp.train.wandb_records",
+    "mpp.wandb_records": "mpp.outputs.wandb_records",
     "mpp.stream": "mpp.data.stream",
     "mpp.transforms": "mpp.data.transforms",
     "mpp.storage": "mpp.data.remote",
@@ -60,12 +66,18 @@ MOVED_MODULES = {
     "mpp.inspection": "mpp.shards.inspector",
     "mpp.train.draws": "mpp.train.step_seeds",
     "mpp.train.guards": "mpp.train.nonfinite_loss",
-    "mpp.train.pictures": "mpp.train.prediction_pictures",
-    "mpp.eval.records": "mpp.train.wandb_records",
+    "mpp.train.pictures": "mpp.outputs.prediction_pictures",
+    "mpp.eval.records": "mpp.outputs.wandb_records",
+    "mpp.train.wandb_run": "mpp.outputs.wandb_run",
+    "mpp.train.wandb_records": "mpp.outputs.wandb_records",
+    "mpp.train.predictions": "mpp.outputs.predictions",
+    "mpp.train.prediction_pictures": "mpp.outputs.prediction_pictures",
+    "mpp.train.checkpoint_io": "mpp.outputs.checkpoint_io",
 }
 # Classes that left the module they shared with others (after the module's own move, if any).
 MOVED_CLASSES = {
-    "mpp.train.callbacks.PredictionPictures": "mpp.train.prediction_pictures.PredictionPictures",
+    "mpp.train.callbacks.PredictionPictures": "mpp.outputs.prediction_pictures.PredictionPictures",
+    "mpp.train.callbacks.ThroughputMonitor": "mpp.train.callbacks.ImageThroughput",
     "mpp.eval.analyses.EncoderAnalysis": "mpp.eval.analysis_callback.EncoderAnalysis",
 }
 CLASS_PATH_KEYS = ("class_path", "_class_path")  # a config's, and Lightning's in a checkpoint's hyperparameters

@@ -13,9 +13,9 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
 
 from mpp.model.vit import ViTConfig
+from mpp.outputs.wandb_records import run_folders
+from mpp.outputs.wandb_run import finish_quietly
 from mpp.train.steps import global_batch_size
-from mpp.train.wandb_records import run_folders
-from mpp.train.wandb_run import finish_quietly
 
 
 def patches_of(encoder: ViTConfig) -> str:

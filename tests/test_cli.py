@@ -17,8 +17,8 @@ from workspace import ROOT, environment, time_limit
 
 from mpp.cli import main
 from mpp.config import read_config
-from mpp.train.wandb_records import config as wandb_config
-from mpp.train.wandb_records import history
+from mpp.outputs.wandb_records import config as wandb_config
+from mpp.outputs.wandb_records import history
 
 DEMO = ROOT / "configs" / "pretrain" / "demo.yaml"
 QUICK = [

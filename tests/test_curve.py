@@ -188,9 +188,7 @@ def test_the_plateau_is_the_step_count_best_on_validation_and_matched_compute_is
     assert not any("matched" in name for name in results)
     # With a step count added, the plateaus may move; the runs made stay.
     grown = CurvePlan(full(budgets=[600, 2400, 9600]))
-    assert (
-        grown.all_choices(results)["scratch/plateau"] is None and grown.all_choices(results)["hybrid/plateau"] is None
-    )
+    assert grown.all_choices(results)["scratch/plateau"] is None and grown.all_choices(results)["hybrid/plateau"] is None
     assert all(name in {j.name for j in grown.jobs(results)[0]} for name in results if "p9600" not in name)
 
 
@@ -256,16 +254,9 @@ def test_conclusions_say_no_more_than_the_intervals() -> None:
     assert loss_correlation(full(budgets=[600, 2400]), points) is None  # one budget: seeds only
     points["mpp/p2400"] = {"pretrain_val_loss": {"values": [0.8, 0.7]}, "test_accuracy": {"values": [0.8, 0.9]}}
     within = {"600": {"n": 2, "pearson_r": None}, "2400": {"n": 2, "pearson_r": None}}  # 2 seeds: no r of their own
-    assert loss_correlation(full(budgets=[600, 2400]), points) == {
-        "n": 4,
-        "pearson_r": pytest.approx(-1.0),
-        "within": within,
-    }
+    assert loss_correlation(full(budgets=[600, 2400]), points) == {"n": 4, "pearson_r": pytest.approx(-1.0), "within": within}
     # Within a budget of 3 seeds the loss may rank them the other way round from the budgets.
-    points["mpp/p2400"] = {
-        "pretrain_val_loss": {"values": [0.8, 0.7, 0.75]},
-        "test_accuracy": {"values": [0.9, 0.8, 0.85]},
-    }
+    points["mpp/p2400"] = {"pretrain_val_loss": {"values": [0.8, 0.7, 0.75]}, "test_accuracy": {"values": [0.9, 0.8, 0.85]}}
     correlation = loss_correlation(full(budgets=[600, 2400]), points)
     assert correlation is not None and correlation["pearson_r"] < 0
     assert correlation["within"]["2400"] == {"n": 3, "pearson_r": pytest.approx(1.0)}
@@ -302,11 +293,7 @@ def test_a_grid_that_grows_and_keeps_its_choice_keeps_the_time_it_was_made(tmp_p
     assert record_choices(tmp_path, {"supervised/p9600": moved})["supervised/p9600"]["time"] > first
     plateau = {"steps": 2900, "lr": 0.001, "val_accuracy": {"2900": 0.79}, "edge": True}
     first = record_choices(tmp_path, {"scratch/plateau": plateau})["scratch/plateau"]["time"]
-    longer = {
-        **plateau,
-        "steps": 10100,
-        "val_accuracy": {"2900": 0.79, "10100": 0.80},
-    }  # the same lr, not the same choice
+    longer = {**plateau, "steps": 10100, "val_accuracy": {"2900": 0.79, "10100": 0.80}}  # the same lr, not the same choice
     assert record_choices(tmp_path, {"scratch/plateau": longer})["scratch/plateau"]["time"] > first
 
 
@@ -335,9 +322,7 @@ def test_the_points_of_a_difference_whose_interval_holds_zero_get_two_more_seeds
     )
     # The hybrid and the ViT from scratch alike at their plateaus: both get seeds 3 and 4 there.
     plan, results = CurvePlan(full(budgets=[600], supervised=False)), {}
-    choose_everything(
-        plan, results, {500: 0.6}, test=lambda name: made_up_test_accuracy(name.replace("/hybrid/", "/scratch/"))
-    )
+    choose_everything(plan, results, {500: 0.6}, test=lambda name: made_up_test_accuracy(name.replace("/hybrid/", "/scratch/")))
     choices = {key: {**value, "time": 0.0} for key, value in plan.all_choices(results).items() if value}
     assert {"hybrid/s500", "scratch/s500"} <= plan.widened(choices, results)
     assert "b1000/hybrid/s500/lr0.003/seed4/test" in results and "b1000/scratch/s500/lr0.003/seed4/test" in results
@@ -403,9 +388,7 @@ def test_a_final_test_of_a_restored_fit_makes_it_again_and_keeps_the_numbers_tha
     record = summarise_curve(curve, plan, fresh)
     [(cpu, remade_cpu)] = [entry["cpu"] for entry in record["remade"].values()]
     assert record["remade"][job.name]["val_accuracy"] == [first["val_accuracy"], tested["remade"]["val_accuracy"]]
-    assert cpu == remade_cpu and f"- {job.name}: made again for its test" in render(
-        record, "python -m experiments.curve"
-    )
+    assert cpu == remade_cpu and f"- {job.name}: made again for its test" in render(record, "python -m experiments.curve")
     assert "remade" not in run_job(test, made, settings)  # its own weights are there
     torch.save({"global_step": 2}, last_checkpoint(fresh, job.name))
     assert needs_remake(fresh, job)
@@ -422,13 +405,8 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
         "e": {"kind": "fit", "config": plan.fit("scratch/s500", 1e-3, 0).config, "steps": 5000, "wall_seconds": 2500.0},
         "c": {"kind": "test", "wall_seconds": 10.0},
         "d": {"kind": "fit", "wall_seconds": 5.0},  # restored before runs recorded their steps: not used
-        "f": {
-            "kind": "fit",
-            "config": plan.fit("scratch/s500", 1e-3, 0).config,
-            "steps": 5000,
-            "wall_seconds": 800.0,
-            "resumed_from": 3000,
-        },  # this attempt ran 2,000 steps, 0.4 s each
+        "f": {"kind": "fit", "config": plan.fit("scratch/s500", 1e-3, 0).config, "steps": 5000, "wall_seconds": 800.0,
+              "resumed_from": 3000},  # this attempt ran 2,000 steps, 0.4 s each
     }
     long, short = plan.fit("scratch/s10100", 1e-3, 0), plan.fit("scratch/s1100", 1e-3, 0)
     tuned, test = plan.fit("mpp/p600", 0.03, 0), Job("x/test", "test")
@@ -467,9 +445,7 @@ def test_within_a_time_only_the_runs_that_can_finish_start_longest_first(tmp_pat
     assert without_time(["--within", "2", "--results", "r", "--within=1", "--report"]) == ["--results", "r"]
     last_checkpoint(tmp_path, long.name).parent.mkdir(parents=True)
     torch.save({"global_step": 5050}, last_checkpoint(tmp_path, long.name))  # a fit stopped half way
-    assert [
-        steps_done(tmp_path, job) for job in (long, short, Job(long.name + "/test", "test", checkpoint=long.name))
-    ] == [5050, 0, 0]
+    assert [steps_done(tmp_path, job) for job in (long, short, Job(long.name + "/test", "test", checkpoint=long.name))] == [5050, 0, 0]
     # the runner's side: a test's fit needs making again when finished without its weights, or short of them
     retest = Job(long.name + "/test", "test", long.config, long.overrides, checkpoint=long.name)
     assert remake_first(tmp_path, retest) is None  # its fit has not finished: no test yet

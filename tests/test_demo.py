@@ -11,7 +11,7 @@ import sys
 import pytest
 from workspace import ROOT, environment, time_limit
 
-from mpp.train.wandb_records import history
+from mpp.outputs.wandb_records import history
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from test_readme import code_blocks
 from workspace import ROOT, console_script, environment, run
 
 from mpp.commands import COMMANDS as MPP_COMMANDS
-from mpp.train.wandb_records import history
+from mpp.outputs.wandb_records import history
 
 DOC = (ROOT / "docs" / "own-images.md").read_text()
 COMMANDS = [shlex.split(line) for block in code_blocks(DOC) for line in block]

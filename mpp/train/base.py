@@ -61,7 +61,7 @@ class EvaluationMeans:
 
 class EncoderModule(pl.LightningModule):
     """A ViT encoder's training plumbing; a subclass gives the `metrics` of a batch, `loss` among them, and
-    a `predict_step` for `mpp predict` (mpp.train.predictions)."""
+    a `predict_step` for `mpp predict` (mpp.outputs.predictions)."""
 
     metric_names: list[str]  # the keys of `metrics`
     predicted: dict[str, str]  # the outputs of predict_step, by name: what each holds

@@ -1,6 +1,6 @@
 """Lightning callbacks that watch a run: throughput and skipped samples, a progress bar that
 costs no sync, and the stage where ranks stalled (the pictures of the pretraining predictions:
-mpp.train.prediction_pictures). Each reads the batch and the module's public outputs only."""
+mpp.outputs.prediction_pictures). Each reads the batch and the module's public outputs only."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from mpp.errors import add_note
 from mpp.train.steps import log_interval
 
 
-class ThroughputMonitor(pl.Callback):
+class ImageThroughput(pl.Callback):
     """Logs `train/throughput` (images per second over all ranks) and `data/skipped` (the
     total of samples the data pipeline skipped), every `trainer.log_every_n_steps` steps.
 

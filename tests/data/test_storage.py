@@ -132,7 +132,7 @@ class _ShardHandler(BaseHTTPRequestHandler):
         if not path.is_file():
             self.send_error(404)
             return
-        start = int(self.headers["Range"][len("bytes=") :].split("-")[0]) if "Range" in self.headers else 0
+        start = int(self.headers["Range"][len("bytes="):].split("-")[0]) if "Range" in self.headers else 0
         body = path.read_bytes()[start:]
         self.send_response(206 if start else 200)
         self.send_header("Content-Length", str(len(body)))
@@ -161,9 +161,8 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_http_streams_the_same_samples_as_disk(
-    http_server: ThreadingHTTPServer, shard_dir: Path, num_workers: int
-) -> None:
+def test_http_streams_the_same_samples_as_disk(http_server: ThreadingHTTPServer, shard_dir: Path,
+                                               num_workers: int) -> None:
     host, port = http_server.server_address
     _same_as_disk(f"http://{host}:{port}/{PATTERN}", shard_dir, num_workers)
 
@@ -190,13 +189,8 @@ def s3_endpoint(shard_dir: Path) -> Iterator[str]:
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
     client.create_bucket(Bucket=BUCKET)
     for name in NAMES:
         client.upload_file(str(shard_dir / name), BUCKET, f"data/{name}")
@@ -261,7 +255,6 @@ def test_gcs_missing_object_names_the_url(gcs_env: None) -> None:
 
 
 # Endpoints that misbehave on purpose: a proxy in front of the shard server, moto or the GCS emulator.
-
 
 class _FlakyProxy(ThreadingHTTPServer):
     """Forwards requests to `upstream`; once armed, the next requests after `after` good ones get a
@@ -351,9 +344,8 @@ def _http_url(server: ThreadingHTTPServer) -> str:
     return f"http://{host}:{port}"
 
 
-def _fails_without_retries(
-    proxy: _FlakyProxy, url: str, faults: list[int | str], monkeypatch: pytest.MonkeyPatch, *, at: str = "", **arm: Any
-) -> None:
+def _fails_without_retries(proxy: _FlakyProxy, url: str, faults: list[int | str], monkeypatch: pytest.MonkeyPatch,
+                           *, at: str = "", **arm: Any) -> None:
     """With MPP_READ_RETRIES=0 the same faults end the read, with an error naming the URL (and `at`, a regex)."""
     monkeypatch.setenv("MPP_READ_RETRIES", "0")
     proxy.arm(faults, **arm)
@@ -363,13 +355,13 @@ def _fails_without_retries(
 
 def _starts(proxy: _FlakyProxy) -> list[int]:
     """The first byte of each range GET the proxy saw."""
-    return [int(r[len("bytes=") :].split("-")[0]) for _, r, _ in proxy.seen]
+    return [int(r[len("bytes="):].split("-")[0]) for _, r, _ in proxy.seen]
 
 
 @pytest.mark.parametrize("status", [503, 500, 429])
-def test_http_retries_a_failing_server_with_doubling_pauses(
-    http_server: ThreadingHTTPServer, flaky: Callable, shard_dir: Path, status: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_http_retries_a_failing_server_with_doubling_pauses(http_server: ThreadingHTTPServer, flaky: Callable,
+                                                            shard_dir: Path, status: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPP_READ_RETRIES", "3")
     monkeypatch.setenv("MPP_READ_BACKOFF", "0.05")
     proxy = flaky(_http_url(http_server))
@@ -383,14 +375,9 @@ def test_http_retries_a_failing_server_with_doubling_pauses(
 
 
 @pytest.mark.parametrize("fault", ["drop", "cut"])
-def test_http_reconnects_after_dropped_connections(
-    http_server: ThreadingHTTPServer,
-    flaky: Callable,
-    shard_dir: Path,
-    fault: str,
-    quick_retries: None,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_http_reconnects_after_dropped_connections(http_server: ThreadingHTTPServer, flaky: Callable,
+                                                   shard_dir: Path, fault: str, quick_retries: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     proxy = flaky(_http_url(http_server))
     proxy.arm([fault, fault])
     with open_url(f"{proxy.url}/{NAMES[1]}") as stream:
@@ -417,9 +404,8 @@ def test_retry_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("fault", [503, "drop"])
-def test_http_gives_up_naming_the_url_and_the_attempts(
-    http_server: ThreadingHTTPServer, flaky: Callable, fault: int | str, quick_retries: None
-) -> None:
+def test_http_gives_up_naming_the_url_and_the_attempts(http_server: ThreadingHTTPServer, flaky: Callable,
+                                                      fault: int | str, quick_retries: None) -> None:
     proxy = flaky(_http_url(http_server))
     url = f"{proxy.url}/{NAMES[0]}"
     proxy.arm([fault] * 10)
@@ -428,9 +414,8 @@ def test_http_gives_up_naming_the_url_and_the_attempts(
     assert len(proxy.seen) == 3
 
 
-def test_a_read_that_runs_out_of_retries_mid_shard_stops_the_loader(
-    http_server: ThreadingHTTPServer, flaky: Callable, quick_retries: None
-) -> None:
+def test_a_read_that_runs_out_of_retries_mid_shard_stops_the_loader(http_server: ThreadingHTTPServer,
+                                                                     flaky: Callable, quick_retries: None) -> None:
     proxy = flaky(_http_url(http_server))
     url = f"{proxy.url}/{NAMES[0]}"
     proxy.arm(["cut"] + ["drop"] * 10)  # half the shard arrives, then the store goes away: not a broken tar
@@ -440,9 +425,8 @@ def test_a_read_that_runs_out_of_retries_mid_shard_stops_the_loader(
         list(module.train_dataloader())
 
 
-def test_errors_mask_a_presigned_signature(
-    http_server: ThreadingHTTPServer, flaky: Callable, quick_retries: None
-) -> None:
+def test_errors_mask_a_presigned_signature(http_server: ThreadingHTTPServer, flaky: Callable,
+                                          quick_retries: None) -> None:
     query = "?X-Amz-Credential=AKIAEXAMPLE%2F20260101&X-Amz-Signature=0123456789abcdef"
     masked = "?X-Amz-Credential=***&X-Amz-Signature=***"
     proxy = flaky(_http_url(http_server))
@@ -462,27 +446,19 @@ def small_reads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("scheme", ["http", "s3", "gs"])
-def test_every_scheme_tries_a_failing_endpoint_retries_plus_one_times(
-    scheme: str,
-    http_server: ThreadingHTTPServer,
-    s3_env: None,
-    s3_endpoint: str,
-    gcs_endpoint: str,
-    flaky: Callable,
-    quick_retries: None,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_every_scheme_tries_a_failing_endpoint_retries_plus_one_times(scheme: str, http_server: ThreadingHTTPServer,
+                                                                      s3_env: None, s3_endpoint: str,
+                                                                      gcs_endpoint: str, flaky: Callable,
+                                                                      quick_retries: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # mpp's retries are the only ones: with botocore's, s3fs's and gcsfs's own, a wrong gs:// endpoint took
     # about 4 minutes to fail (6 x 6 attempts) and s3:// 75 s, where http:// took the 31 s of mpp's pauses.
     upstream = {"http": _http_url(http_server), "s3": s3_endpoint, "gs": gcs_endpoint}[scheme]
     proxy = flaky(upstream)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-    url = {
-        "http": f"{proxy.url}/{NAMES[0]}",
-        "s3": f"s3://{BUCKET}/data/{NAMES[0]}",
-        "gs": f"gs://{BUCKET}/data/{NAMES[0]}",
-    }[scheme]
+    url = {"http": f"{proxy.url}/{NAMES[0]}", "s3": f"s3://{BUCKET}/data/{NAMES[0]}",
+           "gs": f"gs://{BUCKET}/data/{NAMES[0]}"}[scheme]
     proxy.arm([503] * 50)
     with pytest.raises(ShardOpenError, match=re.escape(url) + r".*after 3 attempts in \d+ s \(MPP_READ_RETRIES=2"):
         open_url(url).read()
@@ -491,16 +467,10 @@ def test_every_scheme_tries_a_failing_endpoint_retries_plus_one_times(
 
 
 @pytest.mark.parametrize("fault", [503, "drop", "cut"])
-def test_s3_read_resumes_where_a_range_get_failed(
-    s3_env: None,
-    s3_endpoint: str,
-    flaky: Callable,
-    shard_dir: Path,
-    small_reads: None,
-    quick_retries: None,
-    fault: int | str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_s3_read_resumes_where_a_range_get_failed(s3_env: None, s3_endpoint: str,
+                                                  flaky: Callable, shard_dir: Path, small_reads: None,
+                                                  quick_retries: None, fault: int | str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     proxy = flaky(s3_endpoint)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     url = f"s3://{BUCKET}/data/{NAMES[2]}"
@@ -513,15 +483,9 @@ def test_s3_read_resumes_where_a_range_get_failed(
     _fails_without_retries(proxy, url, [fault, fault], monkeypatch, at=" at byte [1-9][0-9]* of ", after=1, ranged=True)
 
 
-def test_gcs_read_resumes_where_a_range_get_failed(
-    gcs_env: None,
-    gcs_endpoint: str,
-    flaky: Callable,
-    shard_dir: Path,
-    small_reads: None,
-    quick_retries: None,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_gcs_read_resumes_where_a_range_get_failed(gcs_env: None, gcs_endpoint: str, flaky: Callable,
+                                                   shard_dir: Path, small_reads: None, quick_retries: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     proxy = flaky(gcs_endpoint)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
     url = f"gs://{BUCKET}/data/{NAMES[2]}"

@@ -25,8 +25,8 @@ from mpp.model.export import write_export
 from mpp.model.pixels import Normalise
 from mpp.model.stem import StdConv2d, StemConfig, same_padding
 from mpp.model.targets import quantise_colours
+from mpp.outputs.prediction_pictures import prediction_panel
 from mpp.summary import patches_of
-from mpp.train.prediction_pictures import prediction_panel
 
 # The demo's hybrid preset at 28 px: a stride-4 stem, 7 x 7 tokens of 4 x 4 pixels.
 DEMO = ViTConfig(**read_config(ROOT / "configs/model/vit_demo_hybrid.yaml"), image_size=28, patch_size=1, channels=1)

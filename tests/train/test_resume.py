@@ -23,8 +23,8 @@ from probes import records
 from shardkit import sample, write_shard
 from workspace import environment, make_workspace, time_limit
 
+from mpp.outputs.wandb_records import history, run_folders
 from mpp.shards.format import shard_name, shard_pattern
-from mpp.train.wandb_records import history, run_folders
 
 MAX_STEPS = 16  # a multiple of EVERY: last.ckpt holds the final step
 EVERY = 4  # checkpoint interval: the kill at step 10 falls after the one at step 8
@@ -170,7 +170,7 @@ def test_a_killed_demo_run_resumes_to_the_weights_of_the_run_never_killed(tmp_pa
             assert before[step] == after[step]
     first, second = logged_losses(folder, "killed")
     (never_killed,) = logged_losses(folder, "whole")
-    # The rows before the checkpoint are on disk (mpp.train.wandb_run); those of steps 8 and 9 may be lost with the kill.
+    # The rows before the checkpoint are on disk (mpp.outputs.wandb_run); those of steps 8 and 9 may be lost with the kill.
     assert set(range(8)) <= first.keys() and sorted(second) == list(range(8, MAX_STEPS))
     for step, loss in {**first, **second}.items():
         assert loss == never_killed[step], f"logged loss of step {step}"

@@ -16,15 +16,15 @@ from probes import digest, records
 from shardkit import write_shards
 from workspace import TESTS, time_limit
 
-from mpp.train.optim import warmup_cosine
-from mpp.train.wandb_records import (
+from mpp.outputs.wandb_records import (
     FILE_HEADER,
     history,
     read_records,
     run_folders,
     run_history,
 )
-from mpp.train.wandb_records import records as wandb_records
+from mpp.outputs.wandb_records import records as wandb_records
+from mpp.train.optim import warmup_cosine
 
 PER_SHARD = 6
 
@@ -161,7 +161,7 @@ KILL_DURING_WRITE = textwrap.dedent("""
     import builtins, os, signal, sys
     import torch
     from pytorch_lightning.plugins.io import TorchCheckpointIO
-    from mpp.train.checkpoint_io import AtomicCheckpointIO
+    from mpp.outputs.checkpoint_io import AtomicCheckpointIO
 
     io = AtomicCheckpointIO() if sys.argv[1] == "atomic" else TorchCheckpointIO()
     path = os.path.abspath(sys.argv[2])

@@ -14,7 +14,7 @@ from test_pretrain import BlockImages, module
 from torch.utils.data import DataLoader
 
 from mpp import MaskedPatchPretraining, OptimizerConfig
-from mpp.train.callbacks import ProgressBar, ThroughputMonitor
+from mpp.train.callbacks import ImageThroughput, ProgressBar
 from mpp.train.nonfinite_loss import NonFiniteLossError
 
 
@@ -75,7 +75,7 @@ def test_no_host_sync_in_training_steps_between_logging_steps(tmp_path: Path, mo
         return tensor(*args, **kwargs)
 
     monkeypatch.setattr(torch, "tensor", upload)
-    callbacks = [recorder, ThroughputMonitor(), ProgressBar()]
+    callbacks = [recorder, ImageThroughput(), ProgressBar()]
     trainer(tmp_path, callbacks=callbacks, enable_progress_bar=True).fit(module(), loader())
     assert recorder.calls[3] and recorder.calls[7], "the recorder saw no logging step: it checks nothing"
     quiet = {step: calls for step, calls in recorder.calls.items() if (step + 1) % 4}

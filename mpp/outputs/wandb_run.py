@@ -14,7 +14,7 @@ header alone. No request of wandb's interface makes the service write the log on
 makes the interval short (`flush_records_often`) and, at each checkpoint, waits until the log
 on disk holds the last row logged: `Run.step` (public) answers once the service holds every
 earlier `log` call, and the file (`Run.settings.sync_file`, public; its format is the one
-mpp.train.wandb_records reads) is read back until that step's history record is in it. The interval
+mpp.outputs.wandb_records reads) is read back until that step's history record is in it. The interval
 is an experimental (`x_`) setting of wandb: should a later wandb drop it, the first wait times
 out, says so, and training goes on without waiting.
 
@@ -51,8 +51,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import WandbLogger
 
 from mpp.internals import quiet_run
+from mpp.outputs.wandb_records import FILE_HEADER, read_records
 from mpp.secrets import redact
-from mpp.train.wandb_records import FILE_HEADER, read_records
 
 log = logging.getLogger("mpp")
 
