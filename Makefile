@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -c requirements.lock -e ".[test]"
+	$(PIP) install -c requirements.lock -e ".[test,experiments]"
 	touch $@
 
 # Only set up the environment, e.g. in another place: `make install VENV=../mpp-venv`.
@@ -33,7 +33,7 @@ lock:
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install --upgrade pip
 	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
-	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[test]"
+	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[test,experiments]"
 	{ grep '^#' requirements.lock; $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable \
 		| grep -v -E '^(torch|triton|nvidia-|pip)[=-]'; } > requirements.lock.new
 	mv requirements.lock.new requirements.lock

@@ -26,7 +26,7 @@ def locked() -> dict[str, str]:
     return {canonical(pin.split("==")[0]): pin.split("==")[1] for pin in pins}
 
 
-def needed(name: str = "mpp", extras: tuple[str, ...] = ("test",), found: set[str] | None = None) -> set[str]:
+def needed(name: str = "mpp", extras: tuple[str, ...] = ("test", "experiments"), found: set[str] | None = None) -> set[str]:
     """The installed distributions `name` needs with `extras`, and what they need, and so on."""
     found = set() if found is None else found
     for line in metadata.requires(name) or []:
@@ -42,7 +42,7 @@ def needed(name: str = "mpp", extras: tuple[str, ...] = ("test",), found: set[st
 
 def test_the_makefile_installs_with_the_lock_as_constraints() -> None:
     makefile = (ROOT / "Makefile").read_text()
-    assert '$(PIP) install -c requirements.lock -e ".[test]"' in makefile
+    assert '$(PIP) install -c requirements.lock -e ".[test,experiments]"' in makefile
     assert re.search(r"^\$\(VENV\)/\.installed: .*requirements\.lock", makefile, re.M)
     assert re.search(r"^lock:", makefile, re.M)
 
