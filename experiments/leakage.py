@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from experiments.jobs import checkpointing, cli, output_to, run_outputs
 from experiments.report import interval, pct, write_results
-from experiments.runner import checkpointing, cli, output_to, run_outputs
 from experiments.stats import paired, summarise
 from mpp.eval.analyses import sized_images
 from mpp.model.corruption import KEPT, MASKED, REPLACED

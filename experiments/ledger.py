@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.runner import read_results, run_folder, test_reads
+from experiments.jobs import read_results, run_folder, test_reads
 
 NAME = "ledger.json"
 

@@ -13,8 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from experiments.jobs import read_results, test_reads  # noqa: E402
 from experiments.plan import Job, Plan, kind_of, pretrain_name  # noqa: E402
-from experiments.runner import read_results, test_reads  # noqa: E402
 from experiments.settings import ARMS, DEFAULT_VARIANT, PAIRS, PRETRAINED, VARIANTS, Settings  # noqa: E402
 from experiments.stats import paired, summarise  # noqa: E402
 from experiments.timing import elapsed  # noqa: E402

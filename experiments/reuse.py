@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments.jobs import read_results, run_folder
 from experiments.plan import Job, Plan
-from experiments.runner import read_results, run_folder
 from experiments.settings import FIRST_ARMS, Settings
 
 

@@ -14,30 +14,28 @@ import pytest
 import torch
 
 from experiments.curve import curve_from, extends, without_time
+from experiments.curve_page import render, within_budgets
 from experiments.curve_plan import Curve, CurvePlan, next_lr, outline, val_every
 from experiments.curve_report import (
     audit,
     conclusions,
     hybrid_plateau,
     loss_correlation,
-    render,
     summarise_curve,
-    within_budgets,
 )
-from experiments.ledger import ledger_of, restore, write_ledger
-from experiments.plan import Job
-from experiments.runner import (
+from experiments.jobs import (
     checkpoint_of,
     last_checkpoint,
     needs_remake,
     read_results,
-    record_choices,
     remake_first,
     run_folder,
     run_job,
-    run_study,
     steps_done,
 )
+from experiments.ledger import ledger_of, restore, write_ledger
+from experiments.plan import Job
+from experiments.runner import record_choices, run_study
 from experiments.timing import elapsed, estimate, fitting
 
 

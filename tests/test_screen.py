@@ -11,7 +11,9 @@ import re
 from collections.abc import Callable
 
 from experiments.plan import Job
-from experiments.screen import ScreenPlan, outline, render, screen_from
+from experiments.screen import outline, screen_from
+from experiments.screen_page import render
+from experiments.screen_plan import ScreenPlan
 
 Scores = Callable[[str], float]
 

@@ -15,14 +15,14 @@ import pytest
 import yaml
 from workspace import ROOT, environment, help_of, time_limit
 
+from experiments.jobs import keep_metrics, metric_curve, read_results
 from experiments.plan import Plan, outline
 from experiments.report import audit_test_reads
 from experiments.reuse import covers, extends, note_arms, reuse_runs
-from experiments.runner import keep_metrics, metric_curve, read_results
 from experiments.settings import ARMS, FIRST_ARMS, VARIANTS, Settings, Splits
 from experiments.stats import paired, summarise, t_quantile
 
-STUDIES = ["compare", "study", "curve", "levers", "leakage"]
+STUDIES = ["compare", "study", "curve", "screen", "levers", "leakage"]
 
 
 def test_the_experiments_are_the_studies_and_their_harness() -> None:
