@@ -1,7 +1,7 @@
 """The pretraining-budget curve (experiments.curve): which runs it makes and in which order, how its
 learning-rate grids extend past their edge, how the from-scratch plateau and the matched-compute arm are
 read from one grid of step counts, and that only final evaluations read the test set (a final run's
-test after its point's choice). Run end to end (--quick) by tests/test_readme.py, as docs/results.md writes it."""
+test after its point's choice). Run end to end (--quick) by tests/test_readme.py, as docs/studies.md writes it."""
 
 from __future__ import annotations
 

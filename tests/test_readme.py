@@ -196,6 +196,8 @@ def test_each_page_holds_what_it_promises() -> None:
     """The README's two commands, the recipes in docs/distributed.md, the failing runs in docs/robustness.md."""
     assert [c[:2] for c in commands(README) if c[0] == "make"] == [["make", "demo"], ["make", "test"]]
     assert len(README) <= 12_000, f"README.md is {len(README)} characters: move detail to docs/"
+    index = PAGES["docs/results.md"]
+    assert len(index) <= 12_000, f"docs/results.md is {len(index)} characters: an index, the detail on its pages"
     distributed = commands(PAGES["docs/distributed.md"])
     assert any(c[0] == "torchrun" for c in distributed) and any(c[0] == "srun" for c in distributed)
     assert len(transcripts(PAGES["docs/robustness.md"])) >= 2

@@ -306,7 +306,7 @@ def test_a_study_killed_outright_leaves_no_worker_running() -> None:
     assert gone(worker), f"worker {worker} outlived its study"
 
 
-@pytest.mark.slow  # three invocations, minutes on two cores; docs/results.md's quick study runs by default (tests/test_readme.py)
+@pytest.mark.slow  # three invocations, minutes on two cores; docs/studies.md's quick study runs by default (tests/test_readme.py)
 def test_quick_study_end_to_end(tmp_path: Path) -> None:
     """--quick without the hybrid arms, then with them added to the same study, then again: nothing left."""
     out = tmp_path / "study"

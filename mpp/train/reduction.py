@@ -10,7 +10,7 @@ drift apart.
 
 `rank_order_allreduce` gathers every rank's bucket and adds them rank 0 first, the same order for
 every element in every layout, so a resumed run ends equal to one never stopped. It moves
-world_size / 2 times the bytes of a ring all-reduce (1.5x on 3 ranks, 2x on 4); docs/results.md
+world_size / 2 times the bytes of a ring all-reduce (1.5x on 3 ranks, 2x on 4); docs/benchmarks.md
 gives its measured step time. `RankOrderReduction`, which every `mpp fit` has, uses it where it is
 cheap and exact resume is promised: DDP on the CPU with three or more ranks (`when: cpu`). On GPUs
 some kernels sum in a varying order anyway; there `when: always` turns it on (Lightning registers a
