@@ -120,15 +120,21 @@ def without_time(args: Sequence[str]) -> list[str]:
     return kept
 
 
+def invocation(name: str, args: argparse.Namespace, argv: list[str] | None) -> tuple[Path, Path | None, str]:
+    """(its run folder, its results folder or None, the command as the record names it) of a curve or a
+    screen given `args` (--out, --results) and its arguments, in the project's folder from now on."""
+    out = Path(args.out or f"runs/{name}").absolute()
+    results = Path(args.results).absolute() if args.results else None
+    os.chdir(ROOT)
+    given = sys.argv[1:] if argv is None else argv
+    return out, results, f"python -m experiments.{name} " + " ".join(shlex.quote(a) for a in without_time(given))
+
+
 def main(argv: list[str] | None = None) -> int:
     from experiments.curve_report import report  # matplotlib only where a report is made
 
     args = arguments().parse_args(argv)
-    out = Path(args.out or "runs/curve").absolute()
-    results = Path(args.results).absolute() if args.results else None
-    os.chdir(ROOT)
-    given = sys.argv[1:] if argv is None else argv
-    command = "python -m experiments.curve " + " ".join(shlex.quote(a) for a in without_time(given))
+    out, results, command = invocation("curve", args, argv)
     curve = curve_from(args)
     if args.plan:
         print("\n".join(outline(curve)))

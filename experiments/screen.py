@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 import time
-from pathlib import Path
 
-from experiments.curve import without_time
+from experiments.curve import invocation
 from experiments.curve_plan import LABELS
 from experiments.jobs import read_results
 from experiments.ledger import NAME, go_on_from, write_ledger
@@ -37,7 +34,7 @@ from experiments.runner import run_study
 from experiments.screen_page import render, summarise
 from experiments.screen_plan import PRECISION, Screen, ScreenPlan
 from experiments.settings import Settings
-from experiments.study import CONFIGS, QUICK, ROOT, full_splits, make_full_shards, sample_splits
+from experiments.study import CONFIGS, QUICK, full_splits, make_full_shards, sample_splits
 
 
 def screen_from(args: argparse.Namespace) -> Screen:
@@ -102,11 +99,7 @@ def arguments() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
-    out = Path(args.out or "runs/screen").absolute()
-    results = Path(args.results).absolute() if args.results else None
-    os.chdir(ROOT)
-    given = sys.argv[1:] if argv is None else argv
-    command = "python -m experiments.screen " + " ".join(shlex.quote(a) for a in without_time(given))
+    out, results, command = invocation("screen", args, argv)
     screen, saved = screen_from(args), out / "settings.json"
     if args.plan:
         print("\n".join(outline(screen)))
