@@ -14,7 +14,8 @@ it. Every lever that applies to training from scratch (drop path, more steps) is
 it starts from the curve's plateau (experiments.curve), so the baseline is as strong as the pretrained
 arm. The screen never reads the test set. Runs are named by their recipe, so a recipe met again (the
 value kept from one lever is the first of the next) is not run again; runs resume as the curve's do
-(experiments.runner), and with --results a fresh checkout goes on from the committed ledger.
+(experiments.runner), and with --results a fresh checkout goes on from the committed ledger (a
+pretraining run restored from it without its weights is made again where a fit still needs them).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from experiments.curve import invocation
 from experiments.curve_plan import LABELS
-from experiments.jobs import read_results
+from experiments.jobs import last_checkpoint, read_results, run_folder
 from experiments.ledger import NAME, go_on_from, write_ledger
-from experiments.plan import steps_of
+from experiments.plan import Plan, steps_of
 from experiments.report import write_results
 from experiments.runner import run_study
 from experiments.screen_page import render, summarise
@@ -97,6 +99,20 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
+def remake_lost(plan: ScreenPlan, out: Path) -> list[str]:
+    """The finished runs that a fit still to run starts from, but whose weights are not under `out`
+    (restored from a ledger on another machine): each one's result set aside (result.restored.json),
+    so that it runs again with the same recipe and seed. Returns their names."""
+    results = read_results(out)
+    wanted, _, _ = plan.screen(results)
+    lost = sorted({name for job in wanted if job.name not in results for name in Plan.needs(job)
+                   if name in results and not last_checkpoint(out, name).exists()})  # fmt: skip
+    for name in lost:
+        folder = run_folder(out, name)
+        (folder / "result.json").replace(folder / "result.restored.json")
+    return lost
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     out, results, command = invocation("screen", args, argv)
@@ -117,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             make_full_shards()
         out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(mine, indent=1))
+        for name in remake_lost(plan, out):
+            print(f"screen: {name} is made again: a fit starts from it and its weights are not here")
         start = time.time()
         try:
             run_study(screen.study, out, jobs=args.jobs, plan=plan)

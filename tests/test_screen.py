@@ -172,3 +172,25 @@ def test_the_plan_names_each_lever_and_counts_the_runs_of_the_first_grids() -> N
     assert "mpp: steps: 500 / 1100 / 2900 / 10100 (in order)" in lines
     assert "mpp: pretraining: 4 runs, 9,600 steps" in lines
     assert "scratch: fits: 9 runs, 120,900 steps" in lines
+
+
+def test_a_finished_run_a_fit_starts_from_is_made_again_where_its_weights_are_not_here(tmp_path) -> None:
+    """As after a ledger restored the screen on another machine: the numbers are there, the checkpoints not."""
+    import json
+
+    from experiments.jobs import last_checkpoint, read_results, run_folder
+    from experiments.screen import remake_lost
+
+    screen = plan()
+    first = "pretrain/p2400/paper/seed0"
+    for name in (first, "pretrain/p2400/ratio=0.75/seed0"):
+        run_folder(tmp_path, name).mkdir(parents=True)
+        (run_folder(tmp_path, name) / "result.json").write_text(json.dumps({"name": name, "kind": "fit"}))
+    last_checkpoint(tmp_path, "pretrain/p2400/ratio=0.75/seed0").parent.mkdir()
+    last_checkpoint(tmp_path, "pretrain/p2400/ratio=0.75/seed0").write_bytes(b"")
+    # The paper's fine-tuning grid waits to start from the first; the other has its weights.
+    assert remake_lost(screen, tmp_path) == [first]
+    assert set(read_results(tmp_path)) == {"pretrain/p2400/ratio=0.75/seed0"}
+    assert (run_folder(tmp_path, first) / "result.restored.json").exists()
+    assert first in [job.name for job in screen.ready(read_results(tmp_path))[0]]
+    assert remake_lost(screen, tmp_path) == []  # once: it is now a run to make like any other
