@@ -22,7 +22,7 @@ from experiments.reuse import covers, extends, note_arms, reuse_runs
 from experiments.settings import ARMS, FIRST_ARMS, VARIANTS, Settings, Splits
 from experiments.stats import paired, summarise, t_quantile
 
-STUDIES = ["compare", "study", "curve", "screen", "levers", "leakage"]
+STUDIES = ["compare", "study", "curve", "screen", "levers", "leakage", "pages"]
 
 
 def test_the_experiments_are_the_studies_and_their_harness() -> None:
