@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,14 +145,20 @@ def _wandb_logger() -> str:
 
 
 def _wandb_run() -> str:
+    """Starts an offline run, and then stops the W&B service it started and takes back the environment
+    it set (WANDB_SERVICE): runs this process starts later must not share a service with it."""
     import wandb
 
+    environment = dict(os.environ)
     with tempfile.TemporaryDirectory() as folder:
         run = wandb.init(mode="offline", dir=folder, settings=wandb.Settings(silent=True))
         try:
             holds = hasattr(getattr(run, "_settings", None), "quiet")
         finally:
             run.finish()
+            wandb.teardown()
+            os.environ.clear()
+            os.environ.update(environment)
     return "" if holds else "a run has no _settings with quiet"
 
 

@@ -4,6 +4,7 @@ nothing outside that module reaches into another library's private names."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,11 @@ def test_each_private_part_mpp_relies_on_is_still_there(reliance: Reliance) -> N
 def test_a_change_is_named_with_its_library_and_user() -> None:
     gone = Reliance("somelib", "Thing._private", "mpp.somewhere", lambda: "Thing has no _private")
     assert gone.problem() == "somelib: Thing._private (mpp.somewhere) changed: Thing has no _private"
+    environment = dict(os.environ)
     assert changed() == []
+    # The probes leave this process as they found it: a W&B service left running, named in WANDB_SERVICE,
+    # would be shared by the runs the process starts later (a killed run's id then stays "in use").
+    assert dict(os.environ) == environment
 
 
 def private_uses(path: Path) -> list[str]:
