@@ -18,41 +18,43 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def study_page(record: dict[str, Any], folder: Path) -> str:
+def study_page(record: dict[str, Any], folder: Path | None) -> str:
     from experiments.report import plot_accuracy, plot_curves, render
 
-    plot_accuracy(record, folder / "accuracy.png")
-    plot_curves(record, folder / "curves.png")
+    if folder is not None:
+        plot_accuracy(record, folder / "accuracy.png")
+        plot_curves(record, folder / "curves.png")
     return render(record, record["command"])
 
 
-def curve_page(record: dict[str, Any], folder: Path) -> str:
+def curve_page(record: dict[str, Any], folder: Path | None) -> str:
     from experiments.curve_page import plot, render
 
-    plot(record, folder / "curve.png")
+    if folder is not None:
+        plot(record, folder / "curve.png")
     return render(record, record["command"])
 
 
-def leakage_page(record: dict[str, Any], folder: Path) -> str:
+def leakage_page(record: dict[str, Any], folder: Path | None) -> str:
     from experiments.leakage import render
 
     return render(record)
 
 
-def levers_page(record: dict[str, Any], folder: Path) -> str:
+def levers_page(record: dict[str, Any], folder: Path | None) -> str:
     from experiments.levers import render
 
     return render(record, record["command"])
 
 
-def screen_page(record: dict[str, Any], folder: Path) -> str:
+def screen_page(record: dict[str, Any], folder: Path | None) -> str:
     from experiments.screen_page import render
 
     return render(record)
 
 
-# A study's JSON -> what writes its page (and pictures) into its folder, returning the page.
-WRITERS: dict[str, Callable[[dict[str, Any], Path], str]] = {
+# A study's JSON -> its page, and what writes its pictures into a folder (None: no pictures).
+WRITERS: dict[str, Callable[[dict[str, Any], Path | None], str]] = {
     "study": study_page,
     "curve": curve_page,
     "leakage": leakage_page,
@@ -61,16 +63,22 @@ WRITERS: dict[str, Callable[[dict[str, Any], Path], str]] = {
 }
 
 
-def write_pages(folder: Path) -> list[Path]:
-    """Write the page of every study's JSON in `folder`; returns the pages written."""
-    written = []
+def pages(folder: Path, *, pictures: bool = True) -> dict[Path, str]:
+    """{page: its text} of every study's JSON in `folder`, and with `pictures` their pictures written there."""
+    found = {}
     for name, writer in WRITERS.items():
         source = folder / f"{name}.json"
         if source.is_file():
-            page = folder / f"{name}.md"
-            page.write_text(writer(json.loads(source.read_text()), folder) + "\n")
-            written.append(page)
-    return written
+            found[folder / f"{name}.md"] = writer(json.loads(source.read_text()), folder if pictures else None) + "\n"
+    return found
+
+
+def write_pages(folder: Path) -> list[Path]:
+    """Write the page (and pictures) of every study's JSON in `folder`; returns the pages written."""
+    written = pages(folder)
+    for page, text in written.items():
+        page.write_text(text)
+    return list(written)
 
 
 def studied(folders: list[Path]) -> list[Path]:
