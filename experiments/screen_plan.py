@@ -54,8 +54,8 @@ def all_levers(quick: bool) -> dict[str, tuple[Lever, ...]]:
         Lever("steps", ("4", "8") if quick else ("500", "1100", "2900", "10100"), "fit", ordered=True),
     )
     scratch = (drop_path, Lever("steps", ("8", "16") if quick else ("10100", "20100"), "fit", ordered=True))
-    if quick:  # one lever of each part, and the steps
-        return {"mpp": (mpp[0], mpp[3], mpp[-1]), "scratch": scratch}
+    if quick:  # a pretraining lever and the steps; from scratch, a flag and the steps
+        return {"mpp": (mpp[0], mpp[-1]), "scratch": scratch}
     return {"mpp": mpp, "scratch": scratch}
 
 
