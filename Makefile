@@ -19,7 +19,8 @@ $(VENV)/.installed: pyproject.toml requirements.lock Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -c requirements.lock -e ".[test,experiments]"
+	$(PIP) install -r requirements.lock
+	$(PIP) install --no-deps -e .
 	touch $@
 
 # Only set up the environment, e.g. in another place: `make install VENV=../mpp-venv`.
