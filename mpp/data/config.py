@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from mpp.data.stream import Decode
+from mpp.data.transforms import pair
 from mpp.data.urls import names_indexes
 from mpp.errors import refuse_invalid
 from mpp.shards.images import DEFAULT_MAX_PIXELS
@@ -107,8 +108,7 @@ class DataConfig:
     @property
     def size(self) -> tuple[int, int] | None:
         """image_size as (H, W), or None for the encoder's."""
-        size = self.image_size
-        return None if size is None else (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        return None if self.image_size is None else pair(self.image_size)
 
     @property
     def shards(self) -> dict[str, ShardSpec | None]:
