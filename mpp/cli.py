@@ -41,6 +41,7 @@ from mpp.outputs.wandb_run import (
     WandbRunCheckpoint,
     choose_wandb_mode,
     continue_checkpointed_run,
+    finish_evaluation_run,
     flush_records_often,
     keep_arguments_out_of_wandb,
 )
@@ -221,6 +222,12 @@ class MPPCLI(SubcommandParsers):
     def after_fit(self) -> None:
         if self.trainer.is_global_zero:  # other ranks hold placeholder loggers
             self.trainer.print(redact(results_summary(self.trainer)))
+
+    def after_validate(self) -> None:
+        finish_evaluation_run(self.trainer)
+
+    def after_test(self) -> None:
+        finish_evaluation_run(self.trainer)
 
 
 def place_run_outputs(config: Any) -> None:

@@ -227,6 +227,17 @@ def finish_quietly(run: Any) -> None:
     run.finish()
 
 
+def finish_evaluation_run(trainer: pl.Trainer) -> None:
+    """Finish the W&B run that a `validate` or `test` logged to when the command ends, as a fit's closing
+    lines do, not when its process exits: a program that runs several in one process (a study's jobs)
+    reads each run's records on disk as soon as its command returns."""
+    import wandb
+
+    wandb_logged = any(isinstance(logger, WandbLogger) for logger in trainer.loggers)
+    if trainer.is_global_zero and wandb_logged and wandb.run is not None:
+        finish_quietly(wandb.run)
+
+
 def wandb_has_credentials() -> bool:
     """Whether W&B could log in: an API key in the environment or in the netrc file."""
     if os.environ.get("WANDB_API_KEY"):
