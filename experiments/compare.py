@@ -8,8 +8,10 @@ encoder frozen too (the pretrained one and both arms'): few-shot, k-NN and linea
         --train shards/fashion-mnist/train-000000.tar --out runs/compare-1k   # 1,000 labels
     python -m experiments.compare --test shards/fashion-mnist/test-000000.tar 'full=shards/fmnist-full/test-000000.tar'
 
-Each run is an `mpp fit` / `mpp test` subprocess with its own folder under --out; results are
-read back from the runs' W&B records, so finished runs can be inspected or synced later.
+The runs are jobs of experiments.runner, as a study's are, but each as its config sets it up (its W&B
+run, pictures and checkpoints) in a folder of its own directly under --out: pretrain/, finetune/,
+scratch/, each arm's test-<name>/ within its own, and frozen/pretrained/. Run again, the comparison
+keeps the runs that finished and resumes the others from their last checkpoint.
 """
 
 from __future__ import annotations
@@ -17,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
-from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import torch
@@ -29,43 +29,14 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from experiments.jobs import FLAT, run_folder  # noqa: E402
+from experiments.plan import Job  # noqa: E402
+from experiments.runner import InOrder, run_study  # noqa: E402
+from experiments.settings import Settings  # noqa: E402
 from mpp.config import read_config  # noqa: E402
-from mpp.eval.frozen import FrozenScores, evaluate_checkpoint  # noqa: E402
-from mpp.eval.linear import DEFAULTS  # noqa: E402
-from mpp.outputs.wandb_records import history  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"finetune": "MPP pretrained, fine-tuned", "scratch": "from scratch"}
-
-
-def mpp(*args: str) -> float:
-    """Run the `mpp` command in a subprocess, stream its output, return its wall time in seconds."""
-    command = [sys.executable, "-m", "mpp", *args]
-    print("+ mpp " + " ".join(args[:3]) + " ...", flush=True)
-    start = time.perf_counter()
-    subprocess.run(command, cwd=ROOT, check=True)
-    return time.perf_counter() - start
-
-
-def last_run(folder: Path) -> Path:
-    """The newest W&B run folder under a run's root."""
-    runs = sorted((folder / "wandb").glob("*-run-*"))
-    if not runs:
-        raise FileNotFoundError(f"no W&B run under {folder}/wandb")
-    return runs[-1]
-
-
-def curve(folder: Path, metric: str) -> list[tuple[int, float]]:
-    """(step, value) of a metric over a fit."""
-    return [(int(r["trainer/global_step"]) + 1, r[metric]) for r in history(last_run(folder)) if metric in r]
-
-
-def logged(folder: Path, metric: str) -> float:
-    """The last value of a metric in a run."""
-    values = [row[metric] for row in history(last_run(folder)) if metric in row]
-    if not values:
-        raise KeyError(f"{metric} was not logged in {last_run(folder)}")
-    return values[-1]
 
 
 def parse_tests(specs: list[str]) -> dict[str, str]:
@@ -78,7 +49,7 @@ def parse_tests(specs: list[str]) -> dict[str, str]:
     return tests
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pretrain", default="configs/pretrain/demo.yaml", help="pretraining run config")
     parser.add_argument("--finetune", default="configs/finetune/demo.yaml", help="fine-tuning run config")
@@ -103,82 +74,96 @@ def main(argv: list[str] | None = None) -> int:
         "in shard order; the demo pretraining's few-shot callback takes the same 2,000)",
     )
     parser.add_argument("--out", default="runs/compare", help="folder for every run, the table and the plot")
-    args = parser.parse_args(argv)
-    out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return parser.parse_args(argv)
+
+
+def steps(config: str, given: int | None) -> tuple[str, str]:
+    """A fit's length, as given or as its config has it (a study's job always names it)."""
+    return "--trainer.max_steps", str(given or read_config(ROOT / config)["trainer"]["max_steps"])
+
+
+def comparison(args: argparse.Namespace) -> tuple[Settings, list[Job]]:
+    """What the runner needs: the settings its jobs read (the test set, the frozen evaluations'), and the
+    jobs in order: pretraining and its frozen encoder, then each arm's fit and its tests, the first of
+    which scores the arm's encoder frozen."""
     tests = parse_tests(args.test)
-    os.environ.setdefault("WANDB_SILENT", "true")
-
-    wall: dict[str, float] = {}
-    pretrained = args.pretrained
-    if pretrained is None:
-        limit = ["--trainer.max_steps", str(args.pretrain_steps)] if args.pretrain_steps else []
-        wall["pretrain"] = mpp(
-            "fit", "--config", args.pretrain, "--trainer.default_root_dir", str(out / "pretrain"), *limit
+    first_test = next(iter(tests.values()))
+    labelled = args.train or read_config(ROOT / args.finetune)["data"]["train"]  # the arms' labelled shards
+    frozen = (labelled, first_test)
+    jobs = []
+    if args.pretrained is None:
+        jobs.append(
+            Job("pretrain", "fit", args.pretrain, steps(args.pretrain, args.pretrain_steps), as_configured=True)
         )
-        pretrained = str(out / "pretrain" / "checkpoints" / "last.ckpt")
-
+    source = args.pretrained or "pretrain"
+    jobs.append(
+        Job("frozen/pretrained", "frozen", checkpoint=source, frozen=frozen, reads_test=True, as_configured=True)
+    )
     for arm in ARMS:
         config = getattr(args, arm)
-        overrides = ["--trainer.default_root_dir", str(out / arm)]
-        overrides += ["--data.train", args.train] if args.train else []
-        overrides += ["--trainer.max_steps", str(args.steps)] if args.steps else []
-        overrides += ["--model.init_args.pretrained", pretrained] if arm == "finetune" else []
-        wall[arm] = mpp("fit", "--config", config, *overrides)
-        checkpoint = str(out / arm / "checkpoints" / "last.ckpt")
-        for name, spec in tests.items():  # later options win: each test run gets its own folder
-            mpp(
-                "test",
-                "--config",
-                config,
-                *overrides,
-                "--ckpt_path",
-                checkpoint,
-                "--data.test",
-                spec,
-                "--trainer.default_root_dir",
-                str(out / arm / f"test-{name}"),
-            )
+        overrides = [*(["--data.train", args.train] if args.train else []), *steps(config, args.steps)]
+        overrides += ["--model.init_args.pretrained", args.pretrained or "{run:pretrain}"] if arm == "finetune" else []
+        jobs.append(Job(arm, "fit", config, tuple(overrides), as_configured=True))
+        for index, (name, spec) in enumerate(tests.items()):
+            test = Job(f"{arm}/test-{name}", "test", config, tuple(overrides), arm, reads_test=True, as_configured=True)
+            jobs.append(Job(**{**vars(test), "test": spec, "frozen": frozen if index == 0 else None}))
+    configs = {"pretrain": args.pretrain, "finetune": args.finetune, "scratch": args.scratch}
+    settings = Settings.of_runs(configs, test=first_test, shots=tuple(args.shots), frozen_max_train=args.frozen_train)
+    return settings, jobs
 
-    fewshot_train = args.train or read_config(ROOT / args.finetune)["data"]["train"]  # the arms' labelled shards
-    first_test = next(iter(tests.values()))
-    evaluation = replace(DEFAULTS, shots=tuple(args.shots), max_train=args.frozen_train)
-    frozen = {
-        key: evaluate_checkpoint(path, train=fewshot_train, test=first_test, settings=evaluation)
-        for key, path in {
-            "pretrained": pretrained,
-            **{arm: str(out / arm / "checkpoints" / "last.ckpt") for arm in ARMS},
-        }.items()
-    }
 
-    results = {arm: {name: logged(out / arm / f"test-{name}", "test/accuracy") for name in tests} for arm in ARMS}
-    steps = {arm: torch.load(out / arm / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] for arm in ARMS}
-    table = render(results, frozen, steps, wall, tests, args)
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
+    given = {key: value for key, value in vars(args).items() if key != "out"}
+    if (out / FLAT).exists() and json.loads((out / FLAT).read_text()) != given:
+        earlier = json.loads((out / FLAT).read_text())
+        changed = ", ".join(f"--{key.replace('_', '-')} {earlier.get(key)} -> {value}"
+                            for key, value in given.items() if earlier.get(key) != value)  # fmt: skip
+        print(f"compare: error: {out} holds a comparison of other arguments ({changed}); give another --out, "
+              "or delete it to start over", file=sys.stderr)  # fmt: skip
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FLAT).write_text(json.dumps(given, indent=1))  # the runs' folders directly under out
+    os.environ.setdefault("WANDB_SILENT", "true")
+    settings, jobs = comparison(args)
+    say = lambda line: print(line.replace("study: ", "compare: "), flush=True)  # noqa: E731
+    results = run_study(settings, out, jobs=1, plan=InOrder(jobs), say=say)
+
+    tests = parse_tests(args.test)
+    wall = {name: results[name]["wall_seconds"] for name in ("pretrain", *ARMS) if name in results}
+    frozen = {"pretrained": results["frozen/pretrained"]["frozen"]}
+    frozen |= {arm: results[f"{arm}/test-{next(iter(tests))}"]["frozen"] for arm in ARMS}
+    accuracy = {arm: {name: results[f"{arm}/test-{name}"]["test_accuracy"] for name in tests} for arm in ARMS}
+    steps_taken = {arm: torch.load(run_folder(out, arm) / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+                   for arm in ARMS}  # fmt: skip
+    table = render(accuracy, frozen, steps_taken, wall, tests, args)
     (out / "comparison.md").write_text(table + "\n")
     numbers = {
-        "test_accuracy": results,
-        "fewshot": {key: scores.fewshot for key, scores in frozen.items()},
-        "knn": {key: scores.knn for key, scores in frozen.items()},
-        "linear": {key: scores.linear for key, scores in frozen.items()},
-        "linear_l2": {key: scores.linear_l2 for key, scores in frozen.items()},
-        "steps": steps,
+        "test_accuracy": accuracy,
+        **{
+            key: {name: scores[key] for name, scores in frozen.items()}
+            for key in ("fewshot", "knn", "linear", "linear_l2")
+        },
+        "steps": steps_taken,
         "wall_seconds": wall,
     }
     (out / "comparison.json").write_text(json.dumps(numbers, indent=2))
-    plot({ARMS[arm]: curve(out / arm, "val/accuracy") for arm in ARMS}, out / "comparison.png")
+    plot({ARMS[arm]: [tuple(point) for point in results[arm]["val_curve"]] for arm in ARMS}, out / "comparison.png")
     print(table)
     print(f"\ntable: {out / 'comparison.md'}\nplot: {out / 'comparison.png'}\nruns: {out}")
     return 0
 
 
-def frozen_cells(scores: FrozenScores, shots: list[int]) -> list[str]:
-    """A frozen encoder's few-shot, k-NN and linear-probe accuracies, as the table's cells."""
-    accuracies = [*(scores.fewshot[n] for n in shots), scores.knn, scores.linear]
+def frozen_cells(scores: dict[str, Any], shots: list[int]) -> list[str]:
+    """A frozen encoder's few-shot, k-NN and linear-probe accuracies (a job's result["frozen"]), as the
+    table's cells."""
+    accuracies = [*(scores["fewshot"][str(n)] for n in shots), scores["knn"], scores["linear"]]
     return [f"{100 * accuracy:.1f}%" for accuracy in accuracies]
 
 
 def render(
-    results: dict, frozen: dict[str, FrozenScores], steps: dict, wall: dict, tests: dict, args: argparse.Namespace
+    results: dict, frozen: dict[str, dict[str, Any]], steps: dict, wall: dict, tests: dict, args: argparse.Namespace
 ) -> str:
     """The comparison as a markdown table: each arm's test accuracy, then its encoder's frozen scores."""
     scored = [f"{n}-shot" for n in args.shots] + ["k-NN", "linear probe"]
@@ -198,9 +183,9 @@ def render(
     lines += [
         "",
         f"Frozen pretrained encoder before fine-tuning: {cells} ({pretraining}).",
-        f"Frozen encoders are scored on the first test set's {pretrained.test} images; k-NN and the linear probe "
-        f"learn from all {pretrained.train} training labels (the probe of the pretrained encoder chose l2 "
-        f"{pretrained.linear_l2:g} on held-out training features).",
+        f"Frozen encoders are scored on the first test set's {pretrained['test']} images; k-NN and the linear probe "
+        f"learn from all {pretrained['train']} training labels (the probe of the pretrained encoder chose l2 "
+        f"{pretrained['linear_l2']:g} on held-out training features).",
     ]
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """One job of a study in a folder of its own (`run_folder`): an `mpp fit` or `mpp test` (and frozen
 evaluations) run in this process, resumed from its last checkpoint; its log, config, checkpoints,
-metrics.csv, the machines it ran on and its result.json; and the study's record of test-set reads."""
+metrics.csv (or, run as configured, its W&B run), the machines it ran on and its result.json; and the
+study's record of test-set reads."""
 
 from __future__ import annotations
 
@@ -18,9 +19,17 @@ from typing import Any
 from experiments.plan import Job, steps_of
 from experiments.settings import Settings
 
+# A study folder holding this file keeps each run's folder directly under it, not under runs/:
+# experiments.compare, whose runs are where the demo configs put them (runs/demo/<arm>).
+FLAT = "flat-layout.json"
+
+
+def runs_root(out: Path) -> Path:
+    return out if (out / FLAT).exists() else out / "runs"
+
 
 def run_folder(out: Path, name: str) -> Path:
-    return out / "runs" / name
+    return runs_root(out) / name
 
 
 def last_checkpoint(out: Path, name: str) -> Path:
@@ -29,7 +38,7 @@ def last_checkpoint(out: Path, name: str) -> Path:
 
 def read_results(out: Path) -> dict[str, dict]:
     """{job name: result} of every finished job under `out`."""
-    runs = out / "runs"
+    runs = runs_root(out)
     found = {}
     for path in runs.glob("**/result.json") if runs.is_dir() else []:
         result = json.loads(path.read_text())
@@ -84,11 +93,14 @@ def cli(args: list[str]) -> None:
     """`mpp <args>` in this process; a failure raises."""
     from mpp.commands import main
 
+    given, sys.argv = sys.argv, ["mpp", *args]  # the command line the run reads and records, not the study's
     try:
-        main(args)
+        main()
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise RuntimeError(f"mpp {args[0]} exited with {stop.code}") from None
+    finally:
+        sys.argv = given
 
 
 def run_outputs(folder: Path) -> list[str]:
@@ -127,7 +139,10 @@ def steps_done(out: Path, job: Job) -> int:
 
 
 def checkpoint_of(out: Path, name: str) -> Path:
-    """The last checkpoint of the finished run `name`, which a job starts from or evaluates."""
+    """The last checkpoint of the finished run `name`, which a job starts from or evaluates, or the
+    checkpoint file `name` names (ending in .ckpt), made elsewhere."""
+    if name.endswith(".ckpt"):
+        return Path(name)
     path = last_checkpoint(out, name)
     if not path.exists():  # e.g. restored from a ledger (experiments.ledger): its numbers, not its weights
         raise FileNotFoundError(f"{name} has no checkpoint in {path.parent}: run it again (delete its result.json)")
@@ -155,17 +170,40 @@ def frozen_scores(checkpoint: Path, shards: tuple[str, str], settings: Settings)
     }
 
 
+def outputs(job: Job, folder: Path, settings: Settings) -> list[str]:
+    """Where a run writes: its folder, and for the studies' quiet runs the CSV logger (and a fit's
+    checkpoints every `checkpoint_every` steps) in place of the config's logger and callbacks."""
+    if job.as_configured:
+        return ["--trainer.default_root_dir", str(folder)]
+    return run_outputs(folder) + (checkpointing(folder, settings.checkpoint_every) if job.kind == "fit" else [])
+
+
+def logged_curve(folder: Path, metric: str) -> list[tuple[int, float]]:
+    """(step, value) of a metric over a run, from its metrics.csv, or from its W&B run folders (each
+    attempt's, in order: a step logged again after a resume keeps its last value)."""
+    if list(folder.glob("metrics*.csv")):
+        return metric_curve(folder / "metrics.csv", metric)
+    from mpp.outputs.wandb_records import history
+
+    values: dict[int, float] = {}
+    attempts = sorted((folder / "wandb").glob("*run-*"), key=lambda path: path.name.split("run-", 1)[1])
+    for attempt in attempts:  # online runs are run-<time>-<id>, offline ones offline-run-<time>-<id>
+        for row in history(attempt):
+            if metric in row:
+                values[int(row.get("trainer/global_step", 0)) + 1] = float(row[metric])
+    return sorted(values.items())
+
+
 def fit(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     """Run (or resume from its last checkpoint) the fit `job` in its folder; returns its validation."""
     folder = run_folder(out, job.name)
     resume = last_checkpoint(out, job.name)
-    args = ["fit", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
-    args += checkpointing(folder, settings.checkpoint_every)
+    args = ["fit", "--config", job.config, *resolve(job.overrides, out), *outputs(job, folder, settings)]
     if resume.exists():
         keep_metrics(folder / "metrics.csv")
     cli(args + (["--ckpt_path", str(resume)] if resume.exists() else []))
-    curve = metric_curve(folder / "metrics.csv", "val/accuracy")
-    losses = metric_curve(folder / "metrics.csv", "val/loss")
+    curve = logged_curve(folder, "val/accuracy")
+    losses = logged_curve(folder, "val/loss")
     return {"val_curve": curve, "val_accuracy": curve[-1][1] if curve else None,
             "val_loss": losses[-1][1] if losses else None}  # fmt: skip
 
@@ -196,7 +234,7 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
     result: dict[str, Any] = {"name": job.name, "kind": job.kind, "machines": note_machine(folder)}
     # what experiments.timing estimates from: this attempt's wall seconds ran steps - resumed_from steps
     result |= {"config": job.config, "steps": steps_of(job), "resumed_from": steps_done(out, job)}
-    with output_to(folder / "log.txt"):
+    with contextlib.nullcontext() if job.as_configured else output_to(folder / "log.txt"):
         if job.kind == "fit":
             result |= fit(job, out, settings)
         elif job.kind == "test":
@@ -206,11 +244,12 @@ def run_job(job: Job, out: Path, settings: Settings) -> dict[str, Any]:
                                     "resumed_from": steps_done(out, source)}  # fmt: skip
                 result["remade"] |= fit(source, out, settings)
                 result["remade"]["wall_seconds"] = time.perf_counter() - start
-            args = ["test", "--config", job.config, *resolve(job.overrides, out), *run_outputs(folder)]
-            args += ["--data.test", settings.splits.test, "--ckpt_path", str(checkpoint_of(out, job.checkpoint))]
+            args = ["test", "--config", job.config, *resolve(job.overrides, out), *outputs(job, folder, settings)]
+            args += ["--data.test", job.test or settings.splits.test]
+            args += ["--ckpt_path", str(checkpoint_of(out, job.checkpoint))]
             note_test_read(out, job.name)
             cli(args)
-            [(_, accuracy)] = metric_curve(folder / "metrics.csv", "test/accuracy")[-1:]
+            [(_, accuracy)] = logged_curve(folder, "test/accuracy")[-1:]
             result["test_accuracy"] = accuracy
         if job.frozen is not None:
             checkpoint = checkpoint_of(out, job.checkpoint or job.name)

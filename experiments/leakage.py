@@ -5,7 +5,8 @@ at init and (--trained) with nothing frozen.
     python -m experiments.leakage --results results/leakage
     python -m experiments.leakage --quick --out runs/leakage-quick   # a few steps: the plumbing
 
-Each run is `mpp fit` of configs/pretrain/demo.yaml or configs/pretrain/demo_hybrid.yaml for --steps
+Each run is a job of experiments.runner (in runs/<encoder>/<mode>/seed<n> under --out): `mpp fit` of
+configs/pretrain/demo.yaml or configs/pretrain/demo_hybrid.yaml for --steps
 (frozen: with `--model.init_args.frozen [encoder.blocks]`), then the accuracy of one seeded draw of
 corruption of the images (the configs' validation shard, the 1,000 embedded test images: no choice is
 made here). The leak is the hybrid's [mask]ed accuracy minus the pure ViT's with the same seed and the
@@ -35,8 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from experiments.jobs import checkpointing, cli, output_to, run_outputs
+from experiments.jobs import checkpoint_of, run_folder
+from experiments.plan import Job
 from experiments.report import interval, pct, write_results
+from experiments.runner import InOrder, run_study
+from experiments.settings import Settings
 from experiments.stats import paired, summarise
 from mpp.eval.analyses import sized_images
 from mpp.model.corruption import KEPT, MASKED, REPLACED
@@ -108,27 +112,31 @@ def run_name(encoder: str, mode: str, seed: int) -> str:
     return f"{encoder}/{mode}/seed{seed}"
 
 
-def run_one(out: Path, encoder: str, mode: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Fit one run (resuming from its last checkpoint) and score it; its result.json marks it finished."""
-    folder = out / run_name(encoder, mode, seed)
-    if (folder / "result.json").exists():
-        return json.loads((folder / "result.json").read_text())
-    folder.mkdir(parents=True, exist_ok=True)
+def fit_job(encoder: str, mode: str, seed: int, args: argparse.Namespace) -> Job:
+    """The pretraining run of an encoder, its blocks frozen or not, with a seed: a job of experiments.runner,
+    resumed from its last checkpoint, checkpointed every third of its steps."""
     config, overrides = ENCODERS[encoder]
-    last = folder / "checkpoints" / "last.ckpt"
-    fit = ["fit", "--config", config, *overrides, *(FROZEN if mode == "frozen" else []),
+    fit = [*overrides, *(FROZEN if mode == "frozen" else []),
            "--seed_everything", str(seed), "--data.seed", str(seed), "--trainer.max_steps", str(args.steps),
-           "--trainer.val_check_interval", str(args.steps), *(QUICK if args.quick else []),
-           *run_outputs(folder), *checkpointing(folder, max(1, args.steps // 3))]  # fmt: skip
+           "--trainer.val_check_interval", str(args.steps), *(QUICK if args.quick else [])]  # fmt: skip
+    return Job(run_name(encoder, mode, seed), "fit", config, tuple(fit))
+
+
+def scored(out: Path, encoder: str, mode: str, seed: int, args: argparse.Namespace, fitted: dict) -> dict[str, Any]:
+    """A fitted run's MPP accuracy per kind of token, kept in its folder (scores.json) for the same images."""
+    folder = run_folder(out, run_name(encoder, mode, seed))
+    what = {"encoder": encoder, "mode": mode, "seed": seed, "steps": args.steps, "images": args.images,
+            "count": args.count}  # fmt: skip
+    path = folder / "scores.json"
+    if path.exists() and {key: value for key, value in json.loads(path.read_text()).items() if key in what} == what:
+        return json.loads(path.read_text())
     start = time.perf_counter()
-    with output_to(folder / "log.txt"):
-        cli(fit + (["--ckpt_path", str(last)] if last.exists() else []))
-    module = MaskedPatchPretraining.load_from_checkpoint(last, map_location="cpu", weights_only=False)
+    module = MaskedPatchPretraining.load_from_checkpoint(checkpoint_of(out, run_name(encoder, mode, seed)),
+                                                         map_location="cpu", weights_only=False)  # fmt: skip
     images = sized_images(args.images, module.encoder_config, args.count)
-    result = {"encoder": encoder, "mode": mode, "seed": seed, "steps": args.steps,
-              "scores": accuracy_by_kind(module.float(), images, seed=seed),
-              "wall_seconds": time.perf_counter() - start}  # fmt: skip
-    (folder / "result.json").write_text(json.dumps(result, indent=1))
+    result = {**what, "scores": accuracy_by_kind(module.float(), images, seed=seed),
+              "wall_seconds": fitted["wall_seconds"] + time.perf_counter() - start}  # fmt: skip
+    path.write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -195,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.chdir(ROOT)  # the configs and the embedded shards are named relative to the project
     torch.set_num_threads(os.cpu_count() or 1)
-    runs = [run_one(out, encoder, mode, seed, args) for mode in modes for encoder in ENCODERS for seed in seeds]
+    keys = [(encoder, mode, seed) for mode in modes for encoder in ENCODERS for seed in seeds]
+    jobs = [fit_job(*key, args) for key in keys]
+    settings = Settings.of_runs({}, checkpoint_every=max(1, args.steps // 3))
+    fitted = run_study(settings, out, jobs=1, plan=InOrder(jobs))
+    runs = [scored(out, *key, args, fitted[job.name]) for key, job in zip(keys, jobs)]
     study = {"command": command.strip(), "steps": args.steps, "seeds": seeds, "images": args.images,
              "count": args.count, "runs": runs, "summary": summary(runs, modes)}  # fmt: skip
     table = render(study)

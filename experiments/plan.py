@@ -14,15 +14,20 @@ from experiments.settings import ARM_CONFIGS, DEFAULT_VARIANT, PRETRAINED, VARIA
 class Job:
     """One unit of work in a folder of its own: `fit` (an mpp fit, then optionally a frozen evaluation
     of its encoder), `test` (mpp test of a fitted run and a frozen evaluation of its encoder), or
-    `frozen` (a frozen evaluation of a checkpoint). `reads_test`: it reads the test set."""
+    `frozen` (a frozen evaluation of a checkpoint). `reads_test`: it reads the test set. `as_configured`:
+    the run keeps its config's logger and callbacks (W&B, pictures, checkpoints, progress bar) and prints
+    to the terminal, as a user's run does (experiments.compare); otherwise it is the studies' quiet run,
+    logged to a CSV file and to its log.txt."""
 
     name: str
     kind: str
     config: str = ""
     overrides: tuple[str, ...] = ()
-    checkpoint: str = ""  # test, frozen: the run (job name) whose last checkpoint is evaluated
+    checkpoint: str = ""  # test, frozen: the run (job name) whose last checkpoint is evaluated, or a .ckpt path
     frozen: tuple[str, str] | None = None  # (labelled train shards, test shards) of a frozen evaluation
     reads_test: bool = False
+    as_configured: bool = False
+    test: str = ""  # a test's shards, if not the study's test split
 
 
 def steps_of(job: Job) -> int:

@@ -96,6 +96,28 @@ class Planner(Protocol):
     def spares(self, results: dict[str, dict], running: set[str]) -> list[Job]: ...
 
 
+class InOrder:
+    """A plan of given jobs (experiments.compare's, experiments.leakage's): each once the runs it starts from
+    or evaluates have finished, in the order given; nothing is chosen."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.jobs = jobs
+
+    def all_choices(self, results: dict[str, dict]) -> dict[str, dict[str, Any] | None]:
+        return {}
+
+    def ready(self, results: dict[str, dict]) -> tuple[list[Job], bool]:
+        def inputs(job: Job) -> list[str]:
+            runs = [arg[5:-1] for arg in job.overrides if arg.startswith("{run:")]
+            return runs + ([job.checkpoint] if job.checkpoint and not job.checkpoint.endswith(".ckpt") else [])
+
+        left = [job for job in self.jobs if job.name not in results]
+        return [job for job in left if all(name in results for name in inputs(job))], not left
+
+    def spares(self, results: dict[str, dict], running: set[str]) -> list[Job]:
+        return []
+
+
 def run_study(
     settings: Settings,
     out: Path,

@@ -114,6 +114,15 @@ class Settings:
         return asdict(self)
 
     @classmethod
+    def of_runs(cls, configs: dict[str, str], *, test: str = "", **read: Any) -> Settings:
+        """The settings of a harness user that is not a study of arms and budgets (experiments.compare,
+        experiments.leakage): only what its jobs read, the test shards and e.g. `checkpoint_every`,
+        `shots`, `frozen_max_train`; no splits, seeds or grids to choose from."""
+        splits = Splits(pool="", val="", test=test, labels={}, supervised={})
+        return cls(splits, configs, seeds=(), pretrain_steps=0, finetune_steps=0, finetune_lrs=(), scratch_lrs=(),
+                   ablation=(), ablation_seeds=0, **read)  # fmt: skip
+
+    @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Settings:
         """The settings a study saved (settings.json), as they were: a study saved before settings named
         their arms has FIRST_ARMS."""

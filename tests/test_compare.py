@@ -12,14 +12,24 @@ from workspace import ROOT, environment, time_limit
 from mpp.eval.linear import DEFAULTS
 
 
+def compare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "experiments.compare", *args], cwd=ROOT, env=environment(),
+                          capture_output=True, text=True, timeout=time_limit(900))  # fmt: skip
+
+
 def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
-    env = environment()
-    result = subprocess.run(
-        [sys.executable, "-m", "experiments.compare", "--pretrain-steps", "2", "--steps", "3", "--out", str(tmp_path),
-         "--train", "shards/fashion-mnist/train-000000.tar", "--shots", "1", "5", "--frozen-train", "300"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=time_limit(900),
-    )
+    args = ["--pretrain-steps", "2", "--steps", "3", "--out", str(tmp_path),
+            "--train", "shards/fashion-mnist/train-000000.tar", "--shots", "1", "5", "--frozen-train", "300"]  # fmt: skip
+    result = compare(*args)
     assert result.returncode == 0, result.stderr[-3000:]
+    # One job of experiments.runner each, in its own folder where the configs' layout puts it.
+    started = [line.split()[-1] for line in result.stdout.splitlines() if line.startswith("compare: start ")]
+    assert started == ["pretrain", "frozen/pretrained", "finetune", "finetune/test-sample", "scratch",
+                       "scratch/test-sample"]  # fmt: skip
+    for run in ("pretrain", "finetune", "scratch", "finetune/test-sample", "scratch/test-sample"):
+        assert list((tmp_path / run / "wandb").glob("offline-run-*/run-*.wandb")), f"{run} has no W&B run"
+    assert [read["job"] for read in map(json.loads, (tmp_path / "test_reads.jsonl").read_text().splitlines())] == [
+        "frozen/pretrained", "finetune/test-sample", "scratch/test-sample"]  # fmt: skip
     table = (tmp_path / "comparison.md").read_text()
     assert "| MPP pretrained, fine-tuned |" in table and "| from scratch |" in table
     assert "top-1 (sample)" in table and "5-shot" in table and "difference" in table
@@ -43,3 +53,35 @@ def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
     with Image.open(tmp_path / "comparison.png") as plot:
         assert plot.size[0] > 300 and plot.size[1] > 200
     assert table in result.stdout
+    # Run again, it keeps what finished: no run starts, and the table is the same.
+    again = compare(*args)
+    assert again.returncode == 0 and "compare: start" not in again.stdout and table in again.stdout
+    # Other arguments into the same folder are refused, naming what changed.
+    other = compare(*[("4" if arg == "3" else arg) for arg in args])
+    assert other.returncode == 2 and "--steps 3 -> 4" in other.stderr and "start" not in other.stdout
+
+
+def test_a_comparison_from_a_given_checkpoint_runs_no_pretraining_and_starts_each_job_after_its_inputs(tmp_path):
+    from experiments.compare import arguments, comparison
+    from experiments.jobs import checkpoint_of
+    from experiments.runner import InOrder
+
+    given = str(tmp_path / "elsewhere" / "last.ckpt")
+    settings, jobs = comparison(arguments(["--pretrained", given, "--steps", "5", "--test", "a=x.tar", "b=y.tar"]))
+    assert [job.name for job in jobs] == ["frozen/pretrained", "finetune", "finetune/test-a", "finetune/test-b",
+                                          "scratch", "scratch/test-a", "scratch/test-b"]  # fmt: skip
+    jobs_by_name = {job.name: job for job in jobs}
+    assert checkpoint_of(tmp_path, jobs_by_name["frozen/pretrained"].checkpoint) == tmp_path / "elsewhere" / "last.ckpt"
+    assert given in jobs_by_name["finetune"].overrides and given not in jobs_by_name["scratch"].overrides
+    assert all(jobs_by_name[name].as_configured for name in jobs_by_name)
+    # Each arm's first test scores its encoder frozen; the tests read their own shards, the frozen ones the first.
+    assert [job.test for job in jobs if job.kind == "test"] == ["x.tar", "y.tar"] * 2
+    assert [job.frozen is not None for job in jobs if job.kind == "test"] == [True, False] * 2
+    assert settings.splits.test == "x.tar" and settings.shots == (10, 25)
+
+    plan = InOrder(jobs)
+    ready, finished = plan.ready({})
+    assert [job.name for job in ready] == ["frozen/pretrained", "finetune", "scratch"] and not finished
+    ready, finished = plan.ready({"finetune": {}, "frozen/pretrained": {}})
+    assert [job.name for job in ready] == ["finetune/test-a", "finetune/test-b", "scratch"]
+    assert plan.ready({job.name: {} for job in jobs}) == ([], True)
