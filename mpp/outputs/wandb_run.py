@@ -57,6 +57,7 @@ from mpp.secrets import redact
 log = logging.getLogger("mpp")
 
 FLUSH_INTERVAL_S = 0.1  # each checkpoint waits up to about one interval, twice
+FINISH_WAIT_S = 30.0  # how long a finished run's log may take to reach the disk
 STATE_KEY = "WandbRun"
 
 
@@ -222,9 +223,27 @@ def finish_quietly(run: Any) -> None:
     <folder>/logs". Finished here, the run follows its `quiet` setting: those lines go, W&B's
     warnings and errors stay, and so do, online, the run's and the project's pages, which mpp does
     not name. wandb has no public way to change a started run's settings (mpp.internals.quiet_run).
+
+    wandb's service may write the run's last records (its last rows, the summary, the exit record)
+    after `finish` returns: it returns once they are in the log on disk (up to FINISH_WAIT_S), so
+    that a program running several runs in one process (a study's jobs) reads each run whole as soon
+    as its command returns.
     """
+    log_file = Path(run.settings.sync_file)
     quiet_run(run)
     run.finish()
+    deadline = time.monotonic() + FINISH_WAIT_S
+    while log_file.exists() and not has_ended(log_file):
+        if time.monotonic() > deadline:
+            log.warning(f"mpp: W&B had not written the end of {log_file} {FINISH_WAIT_S:g} s after the run finished")
+            return
+        time.sleep(0.05)
+
+
+def has_ended(log_file: Path) -> bool:
+    """Whether a run's log on disk holds its last record, the one `finish` writes (`exit`)."""
+    ended = read_records(log_file)[0][-1:]
+    return bool(ended) and ended[0].WhichOneof("record_type") == "exit"
 
 
 def finish_evaluation_run(trainer: pl.Trainer) -> None:
@@ -234,7 +253,7 @@ def finish_evaluation_run(trainer: pl.Trainer) -> None:
     import wandb
 
     wandb_logged = any(isinstance(logger, WandbLogger) for logger in trainer.loggers)
-    if trainer.is_global_zero and wandb_logged and wandb.run is not None:
+    if trainer.is_global_zero and wandb_logged and wandb.run is not None and os.environ.get("WANDB_MODE") != "disabled":
         finish_quietly(wandb.run)
 
 
