@@ -379,3 +379,14 @@ def test_quick_study_end_to_end(tmp_path: Path) -> None:
     assert "study: start" not in again.stdout
     assert json.loads((out / "study.json").read_text())["budgets"] == study["budgets"]
     assert json.loads((out / "study.json").read_text())["wall_seconds"]["attempts"] == 3
+
+
+def test_a_workers_runs_start_their_processes_as_an_mpp_command_does() -> None:
+    """The pool spawns its workers, and a spawned process would take spawn as its own default: its runs'
+    data loaders would then spawn theirs, importing torch and mpp again at every validation."""
+    import multiprocessing
+
+    from experiments.runner import worker_pool
+
+    with worker_pool(1) as pool:
+        assert pool.submit(multiprocessing.get_start_method).result() == multiprocessing.get_all_start_methods()[0]
