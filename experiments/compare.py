@@ -105,8 +105,9 @@ def comparison(args: argparse.Namespace) -> tuple[Settings, list[Job]]:
         overrides += ["--model.init_args.pretrained", args.pretrained or "{run:pretrain}"] if arm == "finetune" else []
         jobs.append(Job(arm, "fit", config, tuple(overrides), as_configured=True))
         for index, (name, spec) in enumerate(tests.items()):
-            test = Job(f"{arm}/test-{name}", "test", config, tuple(overrides), arm, reads_test=True, as_configured=True)
-            jobs.append(Job(**{**vars(test), "test": spec, "frozen": frozen if index == 0 else None}))
+            scored = frozen if index == 0 else None
+            jobs.append(Job(f"{arm}/test-{name}", "test", config, tuple(overrides), checkpoint=arm, frozen=scored,
+                            reads_test=True, as_configured=True, test=spec))  # fmt: skip
     configs = {"pretrain": args.pretrain, "finetune": args.finetune, "scratch": args.scratch}
     settings = Settings.of_runs(configs, test=first_test, shots=tuple(args.shots), frozen_max_train=args.frozen_train)
     return settings, jobs

@@ -17,7 +17,7 @@ def compare(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=time_limit(900))  # fmt: skip
 
 
-def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
+def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path, capsys):
     args = ["--pretrain-steps", "2", "--steps", "3", "--out", str(tmp_path),
             "--train", "shards/fashion-mnist/train-000000.tar", "--shots", "1", "5", "--frozen-train", "300"]  # fmt: skip
     result = compare(*args)
@@ -54,11 +54,15 @@ def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path):
         assert plot.size[0] > 300 and plot.size[1] > 200
     assert table in result.stdout
     # Run again, it keeps what finished: no run starts, and the table is the same.
-    again = compare(*args)
-    assert again.returncode == 0 and "compare: start" not in again.stdout and table in again.stdout
+    from experiments.compare import main
+
+    assert main(args) == 0
+    again = capsys.readouterr()
+    assert "compare: start" not in again.out and table in again.out
     # Other arguments into the same folder are refused, naming what changed.
-    other = compare(*[("4" if arg == "3" else arg) for arg in args])
-    assert other.returncode == 2 and "--steps 3 -> 4" in other.stderr and "start" not in other.stdout
+    assert main([("4" if arg == "3" else arg) for arg in args]) == 2
+    other = capsys.readouterr()
+    assert "--steps 3 -> 4" in other.err and "start" not in other.out
 
 
 def test_a_comparison_from_a_given_checkpoint_runs_no_pretraining_and_starts_each_job_after_its_inputs(tmp_path):
