@@ -150,9 +150,9 @@ class Plan:
 
     @staticmethod
     def needs(job: Job) -> list[str]:
-        """The jobs whose checkpoints a job reads."""
+        """The jobs whose checkpoints a job reads (a checkpoint named by its path is no job's)."""
         named = [arg[5:-1] for arg in job.overrides if arg.startswith("{run:")]
-        return named + ([job.checkpoint] if job.checkpoint else [])
+        return named + ([job.checkpoint] if job.checkpoint and not job.checkpoint.endswith(".ckpt") else [])
 
     def grid(self, budget: int, arm: str) -> list[Job]:
         return [self.fit(budget, arm, lr, self.s.seeds[0]) for lr in self.s.lrs(arm)]

@@ -112,12 +112,8 @@ class InOrder:
         return {}
 
     def ready(self, results: dict[str, dict]) -> tuple[list[Job], bool]:
-        def inputs(job: Job) -> list[str]:
-            runs = [arg[5:-1] for arg in job.overrides if arg.startswith("{run:")]
-            return runs + ([job.checkpoint] if job.checkpoint and not job.checkpoint.endswith(".ckpt") else [])
-
         left = [job for job in self.jobs if job.name not in results]
-        return [job for job in left if all(name in results for name in inputs(job))], not left
+        return [job for job in left if all(name in results for name in Plan.needs(job))], not left
 
     def spares(self, results: dict[str, dict], running: set[str]) -> list[Job]:
         return []
