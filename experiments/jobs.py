@@ -183,15 +183,12 @@ def logged_curve(folder: Path, metric: str) -> list[tuple[int, float]]:
     attempt's, in order: a step logged again after a resume keeps its last value)."""
     if list(folder.glob("metrics*.csv")):
         return metric_curve(folder / "metrics.csv", metric)
-    from mpp.outputs.wandb_records import history
+    from mpp.outputs.wandb_records import run_history
 
-    values: dict[int, float] = {}
-    attempts = sorted((folder / "wandb").glob("*run-*"), key=lambda path: path.name.split("run-", 1)[1])
-    for attempt in attempts:  # online runs are run-<time>-<id>, offline ones offline-run-<time>-<id>
-        for row in history(attempt):
-            if metric in row:
-                values[int(row.get("trainer/global_step", 0)) + 1] = float(row[metric])
-    return sorted(values.items())
+    wandb = folder / "wandb"  # a resumed fit continues its W&B run; a test run again starts a new one
+    runs = dict.fromkeys(path.stem.removeprefix("run-") for path in sorted(wandb.glob("*run-*/run-*.wandb")))
+    rows = [row for run_id in runs for row in run_history(wandb, run_id) if metric in row]
+    return sorted({int(row.get("trainer/global_step", 0)) + 1: float(row[metric]) for row in rows}.items())
 
 
 def fit(job: Job, out: Path, settings: Settings) -> dict[str, Any]:

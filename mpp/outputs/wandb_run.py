@@ -127,17 +127,27 @@ def run_id_in_checkpoint(path: str) -> str | None:
 
 
 class TransactionLog:
-    """The last history step in a run's `.wandb` file so far, reading on where the last look stopped."""
+    """The last history step in a run's `.wandb` file so far, and whether the file has ended (its last
+    record is the `exit` record that `finish` writes), reading on where the last look stopped."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.step = path, FILE_HEADER, -1
+        self.path, self.offset, self.step, self.ended = path, FILE_HEADER, -1, False
 
-    def last_step(self) -> int:
+    def read(self) -> None:
         found, self.offset = read_records(self.path, self.offset)
         for record in found:
-            if record.WhichOneof("record_type") == "history":
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
                 self.step = max(self.step, record.history.step.num)
+            self.ended = kind == "exit"
+
+    def last_step(self) -> int:
+        self.read()
         return self.step
+
+    def has_ended(self) -> bool:
+        self.read()
+        return self.ended
 
 
 class WandbRunCheckpoint(pl.Callback):
@@ -232,18 +242,13 @@ def finish_quietly(run: Any) -> None:
     log_file = Path(run.settings.sync_file)
     quiet_run(run)
     run.finish()
+    records = TransactionLog(log_file) if log_file.exists() else None
     deadline = time.monotonic() + FINISH_WAIT_S
-    while log_file.exists() and not has_ended(log_file):
+    while records is not None and not records.has_ended():
         if time.monotonic() > deadline:
             log.warning(f"mpp: W&B had not written the end of {log_file} {FINISH_WAIT_S:g} s after the run finished")
             return
         time.sleep(0.05)
-
-
-def has_ended(log_file: Path) -> bool:
-    """Whether a run's log on disk holds its last record, the one `finish` writes (`exit`)."""
-    ended = read_records(log_file)[0][-1:]
-    return bool(ended) and ended[0].WhichOneof("record_type") == "exit"
 
 
 def finish_evaluation_run(trainer: pl.Trainer) -> None:

@@ -14,7 +14,11 @@ import wandb
 
 from mpp.outputs import wandb_run
 from mpp.outputs.wandb_records import history
-from mpp.outputs.wandb_run import finish_quietly, has_ended
+from mpp.outputs.wandb_run import TransactionLog, finish_quietly
+
+
+def has_ended(path: Path) -> bool:
+    return TransactionLog(path).has_ended()
 
 
 @pytest.fixture(scope="module")
