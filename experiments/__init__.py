@@ -13,6 +13,7 @@ The harness every study (the comparison of make demo among them) runs on, a conc
     jobs.py      one job: an `mpp fit` / `mpp test` (quiet and CSV-logged, or as its config sets it up)
     reuse.py     what a study takes from work done: arms added, another study's runs, its numbers
     report.py    the audit of test-set reads, the study's numbers, its table and plots
+    finals.py    a chosen point's numbers over its seeds, and the audit of a curve's or a screen's test reads
     stats.py     mean, std and Student's t intervals over seeds, paired differences
 
 Nothing here is installed with mpp, and mpp imports none of it.

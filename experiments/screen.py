@@ -25,7 +25,9 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from experiments.confirm_plan import ConfirmPlan
 from experiments.curve import invocation
 from experiments.curve_plan import LABELS
 from experiments.jobs import last_checkpoint, read_results, run_folder
@@ -34,7 +36,7 @@ from experiments.plan import Plan, steps_of
 from experiments.report import write_results
 from experiments.runner import run_study
 from experiments.screen_page import render, summarise
-from experiments.screen_plan import PRECISION, Screen, ScreenPlan
+from experiments.screen_plan import PRECISION, Confirm, Screen, ScreenPlan
 from experiments.settings import Settings
 from experiments.study import CONFIGS, QUICK, full_splits, make_full_shards, sample_splits
 
@@ -57,7 +59,8 @@ def screen_from(args: argparse.Namespace) -> Screen:
     )
     # the curve's choices at 2,400 pretraining steps (0.12) and at the from-scratch plateau (1e-3)
     points, extensions = (1, 0) if quick else (3, 2)
-    return Screen(study, study.pretrain_steps, quick, {"mpp": 0.12, "scratch": 1e-3}, points, 2.0, extensions)
+    confirm = Confirm((8,), (0, 1), 0, ()) if quick else Confirm()
+    return Screen(study, study.pretrain_steps, quick, {"mpp": 0.12, "scratch": 1e-3}, points, 2.0, extensions, confirm)
 
 
 def outline(screen: Screen) -> list[str]:
@@ -83,6 +86,13 @@ def outline(screen: Screen) -> list[str]:
                 lines.append(
                     f"{arm}: {'pretraining' if kind == 'pretrain' else 'fits'}: {len(steps)} runs, {sum(steps):,} steps"
                 )
+    c = screen.confirm
+    budgets = " and ".join(f"{budget:,}" for budget in c.budgets)
+    lines.append(
+        f"then the confirmation: MPP's kept recipe pretrained {budgets} steps with seeds {', '.join(map(str, c.seeds))} "
+        f"({len(c.budgets) * len(c.seeds)} runs, {sum(c.budgets) * len(c.seeds):,} steps), its lr grid at each, "
+        f"its final runs; from scratch's kept recipe with the same seeds; each final run tested once"
+    )
     return lines
 
 
@@ -99,18 +109,25 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
-def remake_lost(plan: ScreenPlan, out: Path) -> list[str]:
-    """The finished runs that a fit still to run starts from, but whose weights are not under `out`
-    (restored from a ledger on another machine): each one's result set aside (result.restored.json),
-    so that it runs again with the same recipe and seed. Returns their names."""
+def remake_lost(plan: ConfirmPlan, out: Path) -> list[str]:
+    """The finished runs that a fit or frozen evaluation still to run starts from, but whose weights are
+    not under `out` (restored from a ledger on another machine): each one's result set aside
+    (result.restored.json), so that it runs again with the same recipe and seed. Returns their names. (A
+    test remakes its fit itself, keeping the numbers its point chose on: experiments.jobs.remake_first.)"""
     results = read_results(out)
-    wanted, _, _ = plan.screen(results)
-    lost = sorted({name for job in wanted if job.name not in results for name in Plan.needs(job)
-                   if name in results and not last_checkpoint(out, name).exists()})  # fmt: skip
+    wanted, _, _ = plan.wanted(results)
+    lost = sorted({name for job in wanted if job.name not in results and job.kind != "test"
+                   for name in Plan.needs(job) if name in results and not last_checkpoint(out, name).exists()})  # fmt: skip
     for name in lost:
         folder = run_folder(out, name)
         (folder / "result.json").replace(folder / "result.restored.json")
     return lost
+
+
+def goes_on(saved: dict[str, Any], mine: dict[str, Any]) -> bool:
+    """Whether a screen saved with the settings `saved` goes on with `mine`: the same, or saved before its
+    confirmation was part of it."""
+    return {"confirm": mine["confirm"], **saved} == mine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,12 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mine = json.loads(json.dumps(screen.as_dict()))
     if results and (results / NAME).exists():
-        go_on_from(results / NAME, out, lambda saved: saved == mine, "screen")
-    if saved.exists() and json.loads(saved.read_text()) != mine:
+        go_on_from(results / NAME, out, lambda saved: goes_on(saved, mine), "screen")
+    if saved.exists() and not goes_on(json.loads(saved.read_text()), mine):
         raise SystemExit(f"screen: {out} holds a screen with other settings; choose another --out")
     if args.report and not saved.exists():
         raise SystemExit(f"screen: {out} holds no screen (no settings.json); run it first")
-    plan = ScreenPlan(screen)
+    plan = ConfirmPlan(screen)
     if not args.report:
         if not args.quick:
             make_full_shards()
@@ -140,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             run_study(screen.study, out, jobs=args.jobs, plan=plan)
         finally:
             print(f"screen: {time.time() - start:.0f} s this invocation")
-    _, rows, ended = plan.screen(read_results(out))
-    record = summarise(mine, rows, ended, out, command.strip())
+    record = summarise(mine, plan, out, command.strip())
     table = render(record)
     write_results([out] + ([results] if results else []), "screen", record, table)
     if results:

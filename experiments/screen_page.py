@@ -1,5 +1,5 @@
-"""The screen's page (experiments.screen): its record as one JSON-able mapping (`summarise`) and its
-table (`render`)."""
+"""The screen's page (experiments.screen): its record as one JSON-able mapping (`summarise`, with its
+confirmation's numbers: `confirmed`) and its tables (`render`)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,64 @@ import json
 from pathlib import Path
 from typing import Any
 
+from experiments.confirm_plan import ConfirmPlan
 from experiments.curve_plan import LABELS
+from experiments.finals import audit, numbers
 from experiments.jobs import read_results, test_reads
-from experiments.report import machine_counts
+from experiments.report import interval, machine_counts, pct
+from experiments.stats import paired
 from experiments.timing import elapsed
 
 
-def summarise(
-    settings: dict[str, Any], rows: list[dict[str, Any]], ended: bool, out: Path, command: str
-) -> dict[str, Any]:
+def summarise(settings: dict[str, Any], plan: ConfirmPlan, out: Path, command: str) -> dict[str, Any]:
     """A screen's record: its settings (Screen.as_dict), the rows of the values tried so far and whether it
-    has ended (ScreenPlan.screen), what each arm kept, and what the runs under `out` ran on and took."""
+    has ended (ScreenPlan.screen), what each arm kept, its confirmation so far, and what the runs under
+    `out` ran on and took."""
     results = read_results(out)
+    _, rows, ended = plan.screen.screen(results)
     recipes = {arm: {row["lever"]: row["value"] for row in rows if row["arm"] == arm and row["chosen"]}
                for arm in settings["levers"]}  # fmt: skip
     attempts = json.loads((out / "attempts.json").read_text()) if (out / "attempts.json").exists() else []
     return {
         "command": command, "settings": settings, "rows": rows, "kept": recipes, "ended": ended,
+        "confirmation": confirmed(plan, out, results),
         "machines": machine_counts(results), "test_reads": len(test_reads(out)),
         "wall_hours": elapsed(attempts) / 3600, "invocations": len(attempts),
         "run_hours": sum(result["wall_seconds"] for result in results.values()) / 3600,
+    }  # fmt: skip
+
+
+def confirmed(plan: ConfirmPlan, out: Path, results: dict[str, dict]) -> dict[str, Any] | None:
+    """The confirmation's numbers so far (None before the screen has ended): the recipes, each chosen
+    point's over its seeds (experiments.finals.numbers), MPP − from scratch at each budget paired over the
+    seeds both have, and the audit of every test-set read."""
+    found = plan.confirmation(results)
+    if found is None:
+        return None
+    choices = found.jobs(results, [])
+    widened = found.widened(choices, results)
+    path = out / "choices.json"
+    times = json.loads(path.read_text()) if path.exists() else {}
+    timed = {point: {**choice, "time": times.get(point, {}).get("time")} for point, choice in choices.items() if choice}
+
+    def point_numbers(point: str, seeds: tuple[int, ...]) -> dict[str, Any] | None:
+        choice = choices[point]
+        finals = dict(zip(seeds, found.finals(point, choice["lr"], seeds)))  # type: ignore[index]
+        return numbers(choice, finals, [job.name for job in found.pretraining(point, seeds)], results)  # type: ignore[arg-type]
+
+    points = {point: point_numbers(point, found.seeds(point, widened)) or point_numbers(point, found.c.seeds)
+              for point in found.points() if choices[point]}  # fmt: skip
+    scratch = points.get(found.points()[1])
+    differences = {}
+    for budget in found.c.budgets:
+        mpp = points.get(f"mpp/p{budget}")
+        if mpp and scratch:
+            a, b = ({int(k): v for k, v in p["test_accuracy_by_seed"].items()} for p in (mpp, scratch))
+            differences[str(budget)] = paired(a, b).as_dict()
+    return {
+        "recipes": {arm: {"recipe": recipe, "lr": lr} for arm, (recipe, lr) in found.recipes.items()},
+        "points": points, "differences": differences, "widened": sorted(widened),
+        "test_set": audit(found, timed, test_reads(out), widened),
     }  # fmt: skip
 
 
@@ -59,8 +97,59 @@ def render(record: dict[str, Any]) -> str:
         "",
         "Kept so far: " + "; ".join(f"{arm}: {values}" for arm, values in kept.items()) + ".",
         "The screen has " + ("ended." if record["ended"] else "not ended: the same command goes on."),
-        f"Test set: read {record['test_reads']} times (the screen reads the validation split only).",
-        f"Wall time: {record['wall_hours']:.1f} h over {record['invocations']} invocation(s); "
-        f"run time {record['run_hours']:.1f} h.",
     ]
-    return "\n".join(lines)
+    confirmation = record.get("confirmation")
+    if confirmation is None:
+        lines.append(f"Test set: read {record['test_reads']} times (the screen reads the validation split only).")
+    lines.append(
+        f"Wall time: {record['wall_hours']:.1f} h over {record['invocations']} invocation(s); "
+        f"run time {record['run_hours']:.1f} h."
+    )
+    if confirmation is None:
+        return "\n".join(lines)
+    return "\n".join(lines + [""] + render_confirmation(confirmation, record["settings"]["confirm"]))
+
+
+def render_confirmation(found: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """The confirmation's table: each chosen point over its seeds, then MPP − from scratch per budget."""
+    recipes = "; ".join(f"{arm} " + (", ".join(f"{k}={v}" for k, v in entry["recipe"].items())) + f" (lr {entry['lr']:g})"
+                        for arm, entry in found["recipes"].items())  # fmt: skip
+    widen = (
+        f"; {settings['more_seeds']} more for both where MPP − from scratch held zero at "
+        + " and ".join(f"{budget:,}" for budget in settings["widen"])
+        + " steps"
+        if settings["widen"] and settings["more_seeds"]
+        else ""
+    )
+    lines = [
+        "### Confirmation on the test set",
+        "",
+        f"The recipes kept: {recipes}. MPP pretrained {' and '.join(f'{b:,}' for b in settings['budgets'])} "
+        f"steps, its lr chosen at each on validation (seed 0) around the screen's; from scratch at the screen's "
+        f"lr. Seeds {', '.join(map(str, settings['seeds']))}" + widen + ".",
+        "",
+        "| point | lr (validation top-1 per lr, seed 0) | seeds | validation top-1 | test top-1 [95% interval] "
+        "| k-NN | linear probe |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for point, entry in found["points"].items():
+        arm, size = point.split("/")
+        name = f"MPP pretrained {int(size[1:]):,} steps" if arm == "mpp" else f"from scratch, {int(size[1:]):,} steps"
+        grid = "the screen's"
+        if "grid" in entry:
+            grid = ", ".join(f"{lr[2:]}: {100 * v:.1f}" for lr, v in entry["grid"].items())
+        test = entry["test_accuracy"]
+        span = f" [{100 * test['low']:.1f}, {100 * test['high']:.1f}]" if test["low"] is not None else ""
+        frozen = [pct(entry["frozen"][key]) if "frozen" in entry else "" for key in ("k-NN", "linear probe")]
+        lines.append(f"| {name} | {entry['lr']:g} ({grid}) | {test['n']} | {pct(entry['validation'])} | "
+                     f"{pct(test)}{span} | {frozen[0]} | {frozen[1]} |")  # fmt: skip
+    lines += ["", "MPP − from scratch (test top-1, paired over seeds): "
+              + ("; ".join(f"pretrained {int(b):,} steps: {interval(d)}" for b, d in found["differences"].items()) or "not measured yet")
+              + "."]  # fmt: skip
+    audit = found["test_set"]
+    problems = (
+        f"with problems: {'; '.join(audit['problems'])}" if audit["problems"] else "each after its point's choice"
+    )
+    lines.append(f"Test set: read {audit['reads']} times, by {audit['evaluations_done']} of the {audit['evaluations']} "
+                 f"final evaluations the choices so far call for, {problems}.")  # fmt: skip
+    return lines

@@ -60,9 +60,22 @@ def all_levers(quick: bool) -> dict[str, tuple[Lever, ...]]:
 
 
 @dataclass(frozen=True)
+class Confirm:
+    """What confirms the recipes a screen kept (experiments.confirm_plan): MPP's pretraining budgets, the
+    seeds of every point, and the seeds added to both points of a difference with from scratch whose 95%
+    interval holds zero at a budget in `widen`."""
+
+    budgets: tuple[int, ...] = (9600, 38400)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    more_seeds: int = 2
+    widen: tuple[int, ...] = (9600,)
+
+
+@dataclass(frozen=True)
 class Screen:
     """What a screen runs: the study's splits, configs and overrides (seed: its first), MPP's pretraining
-    steps, each arm's first lr, and the lr grid: `points` values a factor `factor` apart, `extensions`."""
+    steps, each arm's first lr, the lr grid (`points` values a factor `factor` apart, `extensions`), and
+    what confirms its recipes once it has ended."""
 
     study: Settings
     pretrain_steps: int
@@ -71,6 +84,7 @@ class Screen:
     points: int = 3
     factor: float = 2.0
     extensions: int = 2
+    confirm: Confirm = Confirm()
 
     @property
     def levers(self) -> dict[str, tuple[Lever, ...]]:
@@ -99,19 +113,24 @@ class ScreenPlan:
                    if lever.part == part and recipe[lever.name] != lever.values[0]]  # fmt: skip
         return ",".join(changed) or "paper"
 
-    def pretrain(self, recipe: dict[str, str]) -> Job:
-        levers, seed = self.c.levers["mpp"], self.s.seeds[0]
+    def pretrain(self, recipe: dict[str, str], budget: int | None = None, seed: int | None = None) -> Job:
+        """MPP's pretraining with `recipe` for `budget` steps (default the screen's) and `seed` (default its first)."""
+        levers, seed = self.c.levers["mpp"], self.s.seeds[0] if seed is None else seed
+        budget = budget or self.c.pretrain_steps
         flags = [flag for lever in levers if lever.part == "pretrain" for flag in lever.flags(recipe[lever.name])]
-        overrides = ("--data.train", self.s.splits.pool, *self._seeded(seed, self.c.pretrain_steps), *flags)
-        name = f"pretrain/p{self.c.pretrain_steps}/{self.key(recipe, levers, 'pretrain')}/seed{seed}"
+        overrides = ("--data.train", self.s.splits.pool, *self._seeded(seed, budget), *flags)
+        name = f"pretrain/p{budget}/{self.key(recipe, levers, 'pretrain')}/seed{seed}"
         return Job(name, "fit", self.s.configs["pretrain"], overrides)
 
     def _seeded(self, seed: int, steps: int) -> tuple[str, ...]:
         return seeded(self.s, seed, steps, val_every(steps))
 
-    def fit(self, arm: str, recipe: dict[str, str], lr: float) -> Job:
-        """A fine-tuning (mpp) or from-scratch run of `recipe` with `lr`, seed 0."""
-        levers, seed = self.c.levers[arm], self.s.seeds[0]
+    def fit(
+        self, arm: str, recipe: dict[str, str], lr: float, seed: int | None = None, budget: int | None = None
+    ) -> Job:
+        """A fine-tuning (mpp) or from-scratch run of `recipe` with `lr` and `seed` (default the first); MPP's
+        pretrained for `budget` steps (default the screen's, which its name leaves out)."""
+        levers, seed = self.c.levers[arm], self.s.seeds[0] if seed is None else seed
         flags = [flag for lever in levers if lever.part == "fit" for flag in lever.flags(recipe[lever.name])]
         overrides = [
             "--data.train", self.s.splits.labels[LABELS], *self._seeded(seed, int(recipe["steps"])),
@@ -119,22 +138,30 @@ class ScreenPlan:
         ]  # fmt: skip
         name = f"b{LABELS}/{arm}/{self.key(recipe, levers, 'fit')}/{lr_name(lr)}/seed{seed}"
         if arm == "mpp":
-            pretrain = self.pretrain(recipe).name
-            name = f"b{LABELS}/mpp/{pretrain.split('/')[2]}/{name.split('/', 2)[2]}"
+            pretrain = self.pretrain(recipe, budget, seed).name
+            longer = f"p{budget}/" if budget and budget != self.c.pretrain_steps else ""
+            name = f"b{LABELS}/mpp/{longer}{pretrain.split('/')[2]}/{name.split('/', 2)[2]}"
             overrides += [M + "pretrained", f"{{run:{pretrain}}}"]
         return Job(name, "fit", self.s.configs["finetune" if arm == "mpp" else "scratch"], tuple(overrides))
 
     def candidate(
-        self, arm: str, recipe: dict[str, str], centre: float, results: dict[str, dict], wanted: list[Job]
+        self,
+        arm: str,
+        recipe: dict[str, str],
+        centre: float,
+        results: dict[str, dict],
+        wanted: list[Job],
+        budget: int | None = None,
     ) -> dict[str, Any] | None:
-        """A recipe's lr choice (the best validation top-1 of its grid; ties to the smaller lr), adding the
-        jobs it needs to `wanted`; None until its grid has finished."""
+        """A recipe's lr choice (the best validation top-1 of its grid, first seed; ties to the smaller lr),
+        MPP's pretrained for `budget` steps, adding the jobs it needs to `wanted`; None until its grid has
+        finished."""
         half = (self.c.points - 1) / 2
         lrs = [rounded(centre * self.c.factor ** (i - half)) for i in range(self.c.points)]
         if arm == "mpp":
-            wanted.append(self.pretrain(recipe))
+            wanted.append(self.pretrain(recipe, budget))
         for extended in range(self.c.extensions + 1):
-            jobs = [self.fit(arm, recipe, lr) for lr in lrs]
+            jobs = [self.fit(arm, recipe, lr, budget=budget) for lr in lrs]
             wanted += jobs
             if any(job.name not in results for job in jobs):
                 return None

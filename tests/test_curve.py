@@ -17,12 +17,12 @@ from experiments.curve import curve_from, extends, without_time
 from experiments.curve_page import render, within_budgets
 from experiments.curve_plan import Curve, CurvePlan, next_lr, outline, val_every
 from experiments.curve_report import (
-    audit,
     conclusions,
     hybrid_plateau,
     loss_correlation,
     summarise_curve,
 )
+from experiments.finals import audit
 from experiments.jobs import (
     checkpoint_of,
     last_checkpoint,

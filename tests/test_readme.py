@@ -410,6 +410,9 @@ def check_output(user: Path, argv: list[str], stdout: str) -> None:
         assert "mpp: steps: 500 / 1100 / 2900 / 10100 (in order)" in stdout and "scratch: fits: 9 runs" in stdout
     elif tool == "screen":
         assert "| mpp | ratio | 0.5 | " in stdout and "The screen has ended." in stdout, stdout[-3000:]
+        # then its confirmation: each final run and frozen encoder read the test set once, after the choices
+        assert re.search(r"^\| MPP pretrained 8 steps \| .* \| 2 \| ", stdout, re.M), stdout[-3000:]
+        assert "Test set: read 6 times, by 6 of the 6 final evaluations" in stdout and "each after its point's choice" in stdout
         written = {path.name for path in (user / argv[argv.index("--results") + 1]).iterdir()}
         assert written == {"screen.json", "screen.md", "ledger.json"}
     if tool == "levers":

@@ -7,12 +7,16 @@ docs/training.md writes it."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Callable
 
+import pytest
+
+from experiments.confirm_plan import ConfirmPlan
 from experiments.plan import Job
 from experiments.screen import outline, screen_from
-from experiments.screen_page import render
+from experiments.screen_page import render, render_confirmation
 from experiments.screen_plan import ScreenPlan
 
 Scores = Callable[[str], float]
@@ -26,17 +30,27 @@ def option(job: Job, flag: str) -> str:
     return job.overrides[job.overrides.index(flag) + 1]
 
 
-def run_until_ended(screen: ScreenPlan, score: Scores, limit: int = 400) -> dict[str, dict]:
-    """Finish every ready job, a fit with validation top-1 `score(name)`, until the screen ends."""
-    results: dict[str, dict] = {}
+def run_until_ended(
+    screen: ScreenPlan | ConfirmPlan, score: Scores, limit: int = 400, results: dict[str, dict] | None = None
+) -> dict[str, dict]:
+    """Finish every ready job until the plan ends: a fit with validation top-1 `score(name)`, a test with
+    test top-1 `score(name)`, a frozen evaluation with k-NN and probe top-1 `score(name)`."""
+    results = {} if results is None else results
     for _ in range(limit):
         ready, ended = screen.ready(results)
         if ended:
             return results
         assert ready, "the screen waits for nothing"
         for job in ready:
-            val = score(job.name) if job.name.startswith("b1000/") else None  # pretraining: no top-1
-            results[job.name] = {"name": job.name, "kind": "fit", "val_accuracy": val, "wall_seconds": 1}
+            result = {"name": job.name, "kind": job.kind, "wall_seconds": 1}
+            if job.kind == "test":
+                result["test_accuracy"] = score(job.name)
+            elif job.kind == "frozen":
+                result["frozen"] = {"knn": score(job.name), "linear": score(job.name)}
+            else:  # pretraining: a loss, no top-1
+                top1 = job.name.startswith("b1000/")
+                result |= {"val_accuracy": score(job.name) if top1 else None, "val_loss": None if top1 else 0.5}
+            results[job.name] = result
     raise AssertionError("the screen did not end")
 
 
@@ -172,6 +186,7 @@ def test_the_plan_names_each_lever_and_counts_the_runs_of_the_first_grids() -> N
     assert "mpp: steps: 500 / 1100 / 2900 / 10100 (in order)" in lines
     assert "mpp: pretraining: 4 runs, 9,600 steps" in lines
     assert "scratch: fits: 9 runs, 120,900 steps" in lines
+    assert "MPP's kept recipe pretrained 9,600 and 38,400 steps with seeds 0, 1, 2 (6 runs, 144,000 steps)" in lines[-1]
 
 
 def test_a_finished_run_a_fit_starts_from_is_made_again_where_its_weights_are_not_here(tmp_path) -> None:
@@ -189,8 +204,94 @@ def test_a_finished_run_a_fit_starts_from_is_made_again_where_its_weights_are_no
     last_checkpoint(tmp_path, "pretrain/p2400/ratio=0.75/seed0").parent.mkdir()
     last_checkpoint(tmp_path, "pretrain/p2400/ratio=0.75/seed0").write_bytes(b"")
     # The paper's fine-tuning grid waits to start from the first; the other has its weights.
-    assert remake_lost(screen, tmp_path) == [first]
+    assert remake_lost(ConfirmPlan(screen.c), tmp_path) == [first]
     assert set(read_results(tmp_path)) == {"pretrain/p2400/ratio=0.75/seed0"}
     assert (run_folder(tmp_path, first) / "result.restored.json").exists()
     assert first in [job.name for job in screen.ready(read_results(tmp_path))[0]]
-    assert remake_lost(screen, tmp_path) == []  # once: it is now a run to make like any other
+    assert remake_lost(ConfirmPlan(screen.c), tmp_path) == []  # once: it is now a run to make like any other
+
+
+def test_once_the_screen_has_ended_it_confirms_what_it_kept_on_the_test_set() -> None:
+    from experiments.finals import audit
+
+    screen = plan()
+    confirm = ConfirmPlan(screen.c)
+    # ratio 0.75, drop path and 2,900 fine-tuning steps help MPP; drop path helps from scratch. On the test set MPP at
+    # 9,600 steps is level with from scratch (seed by seed +-1 point: the interval holds zero), at 38,400 ahead.
+    wins = {"ratio=0.75": 0.02, "steps=1100": 0.01, "steps=2900": 0.02, "drop_path=0.1": 0.01}
+
+    def score(name: str) -> float:
+        if name.endswith("/test"):
+            seed = int(name.split("/seed")[1].split("/")[0])
+            mpp = "/mpp/" in name
+            return 0.8 + (0.1 if "/p38400/" in name else (0.01 if seed % 2 else -0.01)) * mpp
+        if name.startswith("frozen/"):
+            return 0.7
+        values = set(re.split("[/,]", name))
+        return (0.7 if lr_of(name) in (1e-3, 0.12) else 0.6) + sum(wins.get(value, 0.0) for value in values)
+
+    before = run_until_ended(screen, score)
+    # Until the screen's last run has finished, nothing reads the test set or pretrains longer.
+    unfinished = dict(list(before.items())[:-1])
+    assert not any(job.reads_test or "p9600" in job.name for job in confirm.wanted(unfinished)[0])
+    results = run_until_ended(confirm, score)
+    assert set(before) <= set(results)
+    found = confirm.confirmation(results)
+    assert found is not None and found.recipes == {
+        "mpp": ({"ratio": "0.75", "layout": "scattered", "target": "mean_colour", "layer_decay": "1",
+                 "optimizer": "sgd", "drop_path": "0.1", "steps": "2900"}, 0.12),
+        "scratch": ({"drop_path": "0.1", "steps": "10100"}, 1e-3),
+    }  # fmt: skip
+    new = sorted(set(results) - set(before))
+    # MPP's recipe pretrained with each seed at both budgets; 9,600 widened to 5 seeds, 38,400 not.
+    assert [n for n in new if n.startswith("pretrain/")] == [
+        *(f"pretrain/p38400/ratio=0.75/seed{seed}" for seed in range(3)),
+        *(f"pretrain/p9600/ratio=0.75/seed{seed}" for seed in range(5)),
+    ]
+    for name in (f"pretrain/p9600/ratio=0.75/seed{seed}" for seed in range(5)):
+        job = next(job for job in confirm.wanted(results)[0] if job.name == name)
+        assert option(job, "--trainer.max_steps") == "9600" and option(job, "--model.init_args.corruption.ratio") == "0.75"
+    # Its lr chosen at each budget from a grid around the screen's (0.12), seed 0, then the finals.
+    tuned = [n for n in new if n.startswith("b1000/mpp/p9600/") and not n.endswith("/test")]
+    assert tuned == sorted(
+        [f"b1000/mpp/p9600/ratio=0.75/drop_path=0.1,steps=2900/lr{lr}/seed0" for lr in ("0.06", "0.12", "0.24")]
+        + [f"b1000/mpp/p9600/ratio=0.75/drop_path=0.1,steps=2900/lr0.12/seed{seed}" for seed in range(1, 5)]
+    )
+    fit = next(job for job in confirm.wanted(results)[0] if job.name.endswith("/lr0.12/seed4") and "p9600" in job.name)
+    assert option(fit, "--model.init_args.pretrained") == "{run:pretrain/p9600/ratio=0.75/seed4}"
+    assert option(fit, "--trainer.max_steps") == "2900"
+    # From scratch: the screen's run is its first seed; seeds 1-4 at the screen's lr; the test of each.
+    scratch = [n for n in new if n.startswith("b1000/scratch/")]
+    assert scratch == sorted(
+        ["b1000/scratch/drop_path=0.1/lr0.001/seed0/test"]
+        + [f"b1000/scratch/drop_path=0.1/lr0.001/seed{seed}{test}" for seed in range(1, 5) for test in ("", "/test")]
+    )
+    # The test set: each final run's test and each pretraining run's frozen evaluation, once, after the choices.
+    choices = {point: {**choice, "time": 0.0} for point, choice in found.jobs(results, []).items()}
+    reads = [{"job": name, "time": 1.0} for name, result in results.items() if result["kind"] in ("test", "frozen")]
+    widened = found.widened(choices, results)
+    assert widened == {"mpp/p9600", "scratch/s10100"} and len(reads) == 5 + 3 + 5 + 3 + 5
+    assert audit(found, choices, reads, widened)["problems"] == []
+    assert not any(name.endswith("/test") or name.startswith("frozen/") for name in before)
+
+
+def test_the_confirmation_says_each_point_over_its_seeds_and_the_difference_it_measured(tmp_path) -> None:
+    from experiments.screen_page import confirmed
+
+    screen = plan(quick=True)
+    confirm = ConfirmPlan(screen.c)
+    results = run_until_ended(confirm, lambda name: 0.9 if "/mpp/" in name and name.endswith("/test") else 0.5)
+    from experiments.jobs import run_folder
+
+    for name, result in results.items():
+        run_folder(tmp_path, name).mkdir(parents=True, exist_ok=True)
+        (run_folder(tmp_path, name) / "result.json").write_text(json.dumps(result))
+    found = confirmed(confirm, tmp_path, results)
+    assert found is not None and list(found["points"]) == ["mpp/p8", "scratch/s8"]
+    assert found["differences"]["8"]["mean"] == pytest.approx(0.4) and found["test_set"]["reads"] == 0
+    assert found["test_set"]["evaluations"] == 2 + 2 + 2  # two tests each, two frozen encoders
+    record = {"settings": screen.c.as_dict(), "confirmation": found}
+    lines = render_confirmation(found, record["settings"]["confirm"])
+    assert "| MPP pretrained 8 steps | 0.12 (0.12: 50.0) | 2 | 50.0 ± 0.0 | 90.0 ± 0.0 [90.0, 90.0] | 50.0 ± 0.0 | 50.0 ± 0.0 |" in lines
+    assert "| from scratch, 8 steps | 0.001 (the screen's) | 2 | 50.0 ± 0.0 | 50.0 ± 0.0 [50.0, 50.0] |  |  |" in lines
+    assert "MPP − from scratch (test top-1, paired over seeds): pretrained 8 steps: +40.0 pts [+40.0, +40.0]." in lines
