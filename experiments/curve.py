@@ -20,7 +20,9 @@ experiments.ledger), and the same command on a fresh checkout restores them and 
 half way resumes only where its checkpoints are, so `--within HOURS` starts only the runs that the
 finished ones' speed says will end in that time, longest first (experiments.timing). It needs the
 full FashionMNIST shards (`apt-get install dataset-fashion-mnist`; made once, as
-`python -m experiments.study --full` makes them).
+`python -m experiments.study --full` makes them). Where the results folder holds the screen's record
+(screen/screen.json, experiments.screen) with a confirmed point, the table and picture add its recipe
+beside the paper's: MPP fine-tuned, its frozen encoders, and from scratch with its own kept recipe.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from experiments.ledger import NAME, go_on_from, write_ledger
 from experiments.runner import run_study
 from experiments.settings import Settings
 from experiments.study import CONFIGS, QUICK, ROOT, full_splits, make_full_shards, sample_splits
+
+SCREEN = Path("screen/screen.json")  # under the curve's results: the screen's record, whose confirmation it draws
 
 
 def curve_from(args: argparse.Namespace) -> Curve:
@@ -157,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             run_study(curve.study, out, jobs=args.jobs, plan=CurvePlan(curve), until=until)
         finally:
             print(f"curve: {time.time() - start:.0f} s this invocation")
-    table = report(curve, CurvePlan(curve), out, [out] + ([results] if results else []), command.strip())
+    folders = [out] + ([results] if results else [])
+    table = report(curve, CurvePlan(curve), out, folders, command.strip(), results / SCREEN if results else None)
     if results:
         write_ledger(out, json.loads(saved_path.read_text()), results)
     print(table)

@@ -82,6 +82,7 @@ def render(record: dict[str, Any], command: str) -> str:
             lines.append(
                 f"| {arm} | {int(size):,} | {lrs(entry)} | {pct(frozen['k-NN'])} | {pct(frozen['linear probe'])} | {shown} |"
             )
+    lines += recipe_table(record.get("recipe"))
     lines += ["", "### What the intervals carry", ""]
     lines += [f"- {text}." for text in record["conclusions"].values()]
     if record["widened"]:
@@ -125,6 +126,29 @@ def render(record: dict[str, Any], command: str) -> str:
               f"Wall time: {wall['elapsed'] / 3600:.1f} h over {wall['attempts']} invocation(s) (run time by kind: "
               + ", ".join(f"{k} {v / 3600:.1f} h" for k, v in wall["jobs_by_kind"].items()) + ")."]  # fmt: skip
     return "\n".join(lines)
+
+
+def recipe_table(recipe: dict[str, Any] | None) -> list[str]:
+    """The screen's confirmed recipe (experiments.screen) against from scratch with its own kept recipe, per
+    pretraining budget; nothing before the confirmation has a point."""
+    if not recipe or not recipe["points"]:
+        return []
+    kept = {arm: ", ".join(f"{k}={v}" for k, v in entry["recipe"].items()) for arm, entry in recipe["recipes"].items()}
+    scratch = next(((p, e) for p, e in recipe["points"].items() if p.startswith("scratch/")), None)
+    steps = f"{int(scratch[0].split('/s')[1]):,} steps" if scratch else "–"
+    lines = ["", "### The screen's recipe, confirmed (float32 on any CPU; the paper's recipe above)", "",
+             f"Made by `{recipe['command']}`. MPP: {kept['mpp']}; from scratch: {kept['scratch']}.", "",
+             f"| pretraining steps | MPP, the screen's recipe, fine-tuned | k-NN | linear probe | from scratch, its own "
+             f"recipe ({steps}) | MPP − from scratch |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for point, entry in recipe["points"].items():
+        if point.startswith("mpp/"):
+            budget = point.split("/p")[1]
+            found = scratch[1]["test_accuracy"] if scratch else None
+            diff = recipe["differences"].get(budget)
+            frozen = [pct(entry["frozen"][key]) for key in ("k-NN", "linear probe")]
+            lines.append(f"| {int(budget):,} | {cell(entry['test_accuracy'], 0)} | {frozen[0]} | {frozen[1]} | "
+                         f"{cell(found, 0)} | {interval(diff) if diff else '–'} |")  # fmt: skip
+    return lines
 
 
 def by_steps(record: dict[str, Any], arm: str, title: str, seeds: int) -> list[str]:
@@ -176,6 +200,21 @@ def plot(record: dict[str, Any], path: Path) -> None:
         label = f"hybrid from scratch, plateau ({hybrid['steps']:,} steps), 95%"
         left.axhspan(100 * low, 100 * high, color="C8", alpha=0.2, label=label)
         left.axhline(100 * found["mean"], color="C8", lw=1)
+    recipe = record.get("recipe")
+    mine = sorted(
+        (int(p.split("/p")[1]), e) for p, e in (recipe or {}).get("points", {}).items() if p.startswith("mpp/")
+    )
+    if mine:
+        found = [entry["test_accuracy"] for _, entry in mine]
+        errors = [100 * (f["high"] - f["mean"]) if f["high"] is not None else 0 for f in found]
+        left.errorbar([budget for budget, _ in mine], [100 * f["mean"] for f in found], yerr=errors, marker="D",
+                      capsize=3, color="C6", label="MPP, the screen's recipe, fine-tuned (float32)")  # fmt: skip
+    scratch = next((e for p, e in (recipe or {}).get("points", {}).items() if p.startswith("scratch/")), None)
+    if scratch:
+        found = scratch["test_accuracy"]
+        low, high = (found["low"], found["high"]) if found["low"] is not None else (found["mean"],) * 2
+        left.axhspan(100 * low, 100 * high, facecolor="none", edgecolor="C6", hatch="//", alpha=0.5,
+                     label="from scratch, its own recipe (float32), 95%")  # fmt: skip
     left.set(xscale="log", xlabel="pretraining steps", ylabel=f"test top-1 at {LABELS:,} labels (%)")
     left.set_title("fine-tuned, 95% interval over seeds", fontsize=10)
     for arm in ("mpp", "supervised"):
@@ -188,6 +227,10 @@ def plot(record: dict[str, Any], path: Path) -> None:
                 middle.errorbar([x for x, _ in found], [100 * f["mean"] for _, f in found],
                                 yerr=[100 * f["std"] for _, f in found], ls=style, marker=marker, capsize=3,
                                 color=colours[arm], label=f"{arm}, {key}")  # fmt: skip
+    for key, style, marker in (("linear probe", "-", "D"), ("k-NN", "--", "d")) if mine else ():
+        middle.errorbar([budget for budget, _ in mine], [100 * e["frozen"][key]["mean"] for _, e in mine],
+                        yerr=[100 * e["frozen"][key]["std"] for _, e in mine], ls=style, marker=marker, capsize=3,
+                        color="C6", label=f"mpp, the screen's recipe, {key}")  # fmt: skip
     middle.set(xscale="log", xlabel="pretraining steps", ylabel="frozen encoder, test top-1 (%)")
     middle.set_title("frozen encoders (mean ± std)", fontsize=10)
     measured = [(p, e) for p, e in points.items() if p.startswith("mpp/") and e and e.get("pretrain_val_loss")]

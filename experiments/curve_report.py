@@ -196,10 +196,26 @@ def loss_correlation(curve: Curve, points: dict[str, Any]) -> dict[str, Any] | N
     return {"n": len(pairs), "pearson_r": pearson(*zip(*pairs)), "within": within}
 
 
-def report(curve: Curve, plan: CurvePlan, out: Path, folders: Sequence[Path], command: str) -> str:
-    """Summarise what has finished, write curve.json, curve.md and curve.png into each folder; returns the table."""
+def confirmed_recipe(screen: Path) -> dict[str, Any] | None:
+    """The confirmation of the screen whose record is `screen` (its screen.json, experiments.screen): its
+    command, recipes, points and differences; None before the screen has confirmed a point."""
+    if not screen.exists():
+        return None
+    record = json.loads(screen.read_text())
+    found = record.get("confirmation")
+    if not found or not found["points"]:
+        return None
+    return {"command": record["command"], **{key: found[key] for key in ("recipes", "points", "differences")}}
+
+
+def report(
+    curve: Curve, plan: CurvePlan, out: Path, folders: Sequence[Path], command: str, screen: Path | None = None
+) -> str:
+    """Summarise what has finished, with the confirmation of the screen whose record is `screen` where it has
+    one, and write curve.json, curve.md and curve.png into each folder; returns the table."""
     record = summarise_curve(curve, plan, out)
     record["command"] = command
+    record["recipe"] = confirmed_recipe(screen) if screen else None
     table = render(record, command)
     write_results(folders, "curve", record, table)
     for folder in folders:

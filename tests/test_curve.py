@@ -503,3 +503,38 @@ def test_wall_time_counts_invocations_side_by_side_once() -> None:
     attempts = [{"start": 0.0, "end": 100.0}, {"start": 50.0, "end": 120.0}, {"start": 60.0, "end": 70.0},
                 {"start": 200.0, "end": None}, {"start": 300.0, "end": 310.0}]  # fmt: skip
     assert elapsed(attempts) == 130.0 and elapsed([]) == 0.0
+
+
+def test_the_screens_confirmed_recipe_joins_the_table_and_the_picture(tmp_path: Path) -> None:
+    """The committed curve with a confirmation beside it, as the screen's record gives it."""
+    from experiments.curve_page import plot
+    from experiments.curve_report import confirmed_recipe
+
+    def summary(mean: float, spread: float) -> dict:
+        return {"n": 3, "mean": mean, "std": spread, "low": mean - spread, "high": mean + spread, "values": [mean] * 3}
+
+    frozen = {"k-NN": summary(0.70, 0.01), "linear probe": summary(0.75, 0.01)}
+    points = {
+        "mpp/p9600": {"lr": 0.06, "test_accuracy": summary(0.82, 0.01), "frozen": frozen},
+        "scratch/s20100": {"lr": 1e-3, "test_accuracy": summary(0.81, 0.005)},
+        "mpp/p38400": {"lr": 0.06, "test_accuracy": summary(0.84, 0.01), "frozen": frozen},
+    }
+    screen = tmp_path / "screen.json"
+    assert confirmed_recipe(screen) is None  # no screen yet
+    record = {"command": "python -m experiments.screen --results results/curve/screen", "confirmation": None}
+    screen.write_text(json.dumps(record))
+    assert confirmed_recipe(screen) is None  # a screen that has not confirmed yet
+    record["confirmation"] = {
+        "recipes": {"mpp": {"recipe": {"ratio": "0.75", "steps": "2900"}, "lr": 0.06},
+                    "scratch": {"recipe": {"drop_path": "0.1", "steps": "20100"}, "lr": 1e-3}},
+        "points": points, "differences": {"9600": summary(0.01, 0.012), "38400": summary(0.03, 0.01)},
+    }  # fmt: skip
+    screen.write_text(json.dumps(record))
+    curve = json.loads((Path(__file__).parents[1] / "results" / "curve" / "curve.json").read_text())
+    curve["recipe"] = confirmed_recipe(screen)
+    table = render(curve, curve["command"])
+    assert "MPP: ratio=0.75, steps=2900; from scratch: drop_path=0.1, steps=20100." in table
+    assert "| 9,600 | 82.0 ± 1.0 [81.0, 83.0] (3 seeds) | 70.0 ± 1.0 | 75.0 ± 1.0 | 81.0 ± 0.5 [80.5, 81.5] (3 seeds) | +1.0 pts [-0.2, +2.2] |" in table
+    assert "| 38,400 | 84.0 ± 1.0 [83.0, 85.0] (3 seeds) |" in table
+    plot(curve, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
