@@ -15,7 +15,11 @@ it starts from the curve's plateau (experiments.curve), so the baseline is as st
 arm. The screen never reads the test set. Runs are named by their recipe, so a recipe met again (the
 value kept from one lever is the first of the next) is not run again; runs resume as the curve's do
 (experiments.runner), and with --results a fresh checkout goes on from the committed ledger (a
-pretraining run restored from it without its weights is made again where a fit still needs them).
+pretraining run restored from it without its weights is made again where a fit or a frozen evaluation
+still needs them).
+
+Once the screen has ended, the same command confirms what it kept on the test set, over seeds
+(experiments.confirm_plan): MPP's recipe at larger pretraining budgets, from scratch's at its own.
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(mine, indent=1))
         for name in remake_lost(plan, out):
-            print(f"screen: {name} is made again: a fit starts from it and its weights are not here")
+            print(f"screen: {name} is made again: a run still to make starts from it and its weights are not here")
         start = time.time()
         try:
             run_study(screen.study, out, jobs=args.jobs, plan=plan)
