@@ -136,9 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     frozen = {"pretrained": results["frozen/pretrained"]["frozen"]}
     frozen |= {arm: results[f"{arm}/test-{next(iter(tests))}"]["frozen"] for arm in ARMS}
     accuracy = {arm: {name: results[f"{arm}/test-{name}"]["test_accuracy"] for name in tests} for arm in ARMS}
-    steps_taken = {arm: torch.load(run_folder(out, arm) / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
-                   for arm in ARMS}  # fmt: skip
+    saved = {arm: torch.load(run_folder(out, arm) / "checkpoints" / "last.ckpt", weights_only=True) for arm in ARMS}
+    steps_taken = {arm: checkpoint["global_step"] for arm, checkpoint in saved.items()}
+    pretrained = Path(args.pretrained) if args.pretrained else run_folder(out, "pretrain") / "checkpoints" / "last.ckpt"
+    saved["pretrain"] = torch.load(pretrained, weights_only=True)
     table = render(accuracy, frozen, steps_taken, wall, tests, args)
+    table += "\n" + recipe({arm: checkpoint["hyper_parameters"] for arm, checkpoint in saved.items()})
     (out / "comparison.md").write_text(table + "\n")
     numbers = {
         "test_accuracy": accuracy,
@@ -189,6 +192,23 @@ def render(
         f"{pretrained['linear_l2']:g} on held-out training features).",
     ]
     return "\n".join(lines)
+
+
+def recipe(hparams: dict[str, dict[str, Any]]) -> str:
+    """Which recipe each run took, from its checkpoint's hyperparameters (every default filled in): the
+    corruption and target of the pretraining, the optimiser, layer decay and drop path of both arms."""
+    corruption, target = hparams["pretrain"]["corruption"], hparams["pretrain"]["target"]
+    predicts = {"mean_colour": f"the {target['bits']}-bit mean colour",
+                "downsized_colour": f"the {target['cells']} x {target['cells']} downsized {target['bits']}-bit colours"}  # fmt: skip
+    arms = []
+    for arm, label in (("finetune", "fine-tuning"), ("scratch", "from scratch")):
+        optimiser, encoder = hparams[arm]["optimizer"], hparams[arm]["encoder"]
+        decay = f", layer decay {optimiser['layer_decay']:g}" if arm == "finetune" else ""
+        arms.append(f"{label} {optimiser['name']}{decay}, drop path {encoder['drop_path']:g}")
+    return (
+        f"Recipe: pretraining corrupts {corruption['ratio']:.0%} of the patches ({corruption['layout']}) and predicts "
+        f"{predicts.get(target['kind'], target['kind'])}; " + "; ".join(arms) + "."
+    )
 
 
 def plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:

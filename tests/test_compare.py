@@ -34,6 +34,8 @@ def test_compare_runs_both_arms_and_writes_the_table_and_plot(tmp_path, capsys):
     assert "| MPP pretrained, fine-tuned |" in table and "| from scratch |" in table
     assert "top-1 (sample)" in table and "5-shot" in table and "difference" in table
     assert "| 1-shot | 5-shot | k-NN | linear probe | steps |" in table
+    assert table.rstrip().endswith("Recipe: pretraining corrupts 50% of the patches (scattered) and predicts the 3-bit mean "
+                          "colour; fine-tuning sgd, layer decay 1, drop path 0; from scratch adamw, drop path 0.")
     numbers = json.loads((tmp_path / "comparison.json").read_text())
     assert numbers["steps"] == {"finetune": 3, "scratch": 3}
     for arm in ("finetune", "scratch"):
