@@ -1,12 +1,17 @@
-"""What the screen (experiments.screen_plan) runs once it has ended: the confirmation of the recipes it kept,
-on the test set (`ConfirmPlan`, a planner of experiments.runner).
+"""What the screen (experiments.screen_plan) runs to confirm the recipes it keeps, on the test set
+(`ConfirmPlan`, a planner of experiments.runner).
 
 MPP's recipe is pretrained for larger budgets (`Confirm.budgets`) with each seed; at each budget its lr is
 chosen on validation with the first seed, from a grid around the lr the screen chose (extended past an
 edge as the screen's are). From scratch's recipe runs at the lr the screen chose for it: its first seed is
 the screen's own run. Then each final run's test, and each pretraining run's frozen evaluation, reads the
 test set once. Where the paired difference of MPP at a budget in `Confirm.widen` and from scratch holds
-zero over the first seeds, both get `more_seeds` seeds more."""
+zero over the first seeds, both get `more_seeds` seeds more.
+
+The screen's own runs go first; so that no slot waits for them, what the confirmation will run anyway
+starts as soon as it is known: MPP's longer pretraining once its pretraining levers are chosen (the levers
+after them change only the fine-tuning), an arm's grids and final runs once its screen has ended. Nothing
+reads the test set before the whole screen has ended."""
 
 from __future__ import annotations
 
@@ -20,27 +25,24 @@ from experiments.stats import paired
 Kept = dict[str, tuple[dict[str, str], float]]  # {arm: (the recipe it kept, its lr)}
 
 
-def kept(screen: ScreenPlan, rows: list[dict[str, Any]]) -> Kept:
-    """Each arm's recipe and lr from the rows of an ended screen: each lever's chosen value, and the lr of
-    the last lever's (the recipe every value kept so far makes)."""
-    found = {}
-    for arm in screen.c.levers:
-        chosen = [row for row in rows if row["arm"] == arm and row["chosen"]]
-        found[arm] = {row["lever"]: row["value"] for row in chosen}, chosen[-1]["lr"]
-    return found
-
-
 class Confirmation:
-    """The confirmation's jobs and choices, given the recipes the screen kept. Its points: `mpp/p<budget>`
-    and `scratch/s<steps>`."""
+    """The confirmation's jobs and choices, given the recipes kept so far: `recipes` of the arms whose screen
+    has ended, `pretraining` the recipe whose pretraining values are all chosen (None before), `ended` whether
+    the whole screen has. Its points: `mpp/p<budget>` and `scratch/s<steps>`."""
 
-    def __init__(self, screen: ScreenPlan, confirm: Confirm, recipes: Kept) -> None:
-        self.screen, self.c, self.recipes = screen, confirm, recipes
+    def __init__(
+        self, screen: ScreenPlan, confirm: Confirm, recipes: Kept, pretraining: dict[str, str] | None, ended: bool
+    ) -> None:
+        self.screen, self.c, self.recipes, self.pretrained, self.ended = screen, confirm, recipes, pretraining, ended
+
+    def scratch(self) -> str | None:
+        return f"scratch/s{self.recipes['scratch'][0]['steps']}" if "scratch" in self.recipes else None
 
     def points(self) -> list[str]:
-        """The first budget, from scratch, then the larger budgets: the comparison the widening reads first."""
-        first, *more = (f"mpp/p{budget}" for budget in self.c.budgets)
-        return [first, f"scratch/s{self.recipes['scratch'][0]['steps']}", *more]
+        """The first budget, from scratch, then the larger budgets (the comparison the widening reads first),
+        of the arms whose screen has ended."""
+        first, *more = (f"mpp/p{budget}" for budget in self.c.budgets) if "mpp" in self.recipes else ("",)
+        return [point for point in (first, self.scratch(), *more) if point]
 
     def choice(self, point: str, results: dict[str, dict], wanted: list[Job]) -> dict[str, Any] | None:
         """A point's lr: MPP's from its grid at its budget (adding the grid's jobs to `wanted`), from
@@ -58,9 +60,8 @@ class Confirmation:
 
     def pretraining(self, point: str, seeds: tuple[int, ...]) -> list[Job]:
         arm, size = point.split("/")
-        return (
-            [self.screen.pretrain(self.recipes[arm][0], int(size[1:]), seed) for seed in seeds] if arm == "mpp" else []
-        )
+        recipe = self.pretrained if arm == "mpp" else None
+        return [self.screen.pretrain(recipe, int(size[1:]), seed) for seed in seeds] if recipe else []
 
     def evaluations(self, point: str, lr: float, seeds: tuple[int, ...] | None = None) -> list[Job]:
         """What reads the test set for a chosen point: each final run's test, and the frozen evaluation of
@@ -77,9 +78,10 @@ class Confirmation:
         first = self.c.seeds
         return first + (tuple(range(max(first) + 1, max(first) + 1 + self.c.more_seeds)) if point in widened else ())
 
-    def tests(self, point: str, choice: dict[str, Any] | None, results: dict[str, dict]) -> dict[int, float] | None:
+    def tests(self, point: str | None, choices: dict[str, Any], results: dict[str, dict]) -> dict[int, float] | None:
         """{seed: test top-1} of a chosen point's first seeds, or None until each has its test."""
-        names = [job.name + "/test" for job in self.finals(point, choice["lr"], self.c.seeds)] if choice else []
+        choice = choices.get(point) if point else None
+        names = [job.name + "/test" for job in self.finals(point, choice["lr"], self.c.seeds)] if choice else []  # type: ignore[arg-type]
         if not names or any(name not in results for name in names):
             return None
         return {seed: results[name]["test_accuracy"] for seed, name in zip(self.c.seeds, names)}
@@ -87,19 +89,22 @@ class Confirmation:
     def widened(self, choices: dict[str, Any], results: dict[str, dict]) -> set[str]:
         """Both points of every difference at a budget in `widen` whose 95% interval over the first seeds
         holds zero (decided on the first seeds only, so it does not move)."""
-        scratch, found = self.points()[1], set()
+        found: set[str] = set()
         for budget in self.c.widen:
-            mpp = f"mpp/p{budget}"
-            a, b = self.tests(mpp, choices.get(mpp), results), self.tests(scratch, choices.get(scratch), results)
-            if a is not None and b is not None:
+            mpp, scratch = f"mpp/p{budget}", self.scratch()
+            a, b = self.tests(mpp, choices, results), self.tests(scratch, choices, results)
+            if a is not None and b is not None and scratch:
                 diff = paired(a, b)
                 if diff.low is not None and diff.high is not None and diff.low <= 0 <= diff.high:
                     found |= {mpp, scratch}
         return found
 
     def jobs(self, results: dict[str, dict], wanted: list[Job]) -> dict[str, dict[str, Any] | None]:
-        """Each point's choice, adding every job wanted so far to `wanted`: per point its pretraining runs,
-        its grid, then once chosen its final runs and their evaluations."""
+        """Each point's choice, adding every job wanted so far to `wanted`: MPP's pretraining with the first
+        seeds, then per point its grid, once chosen its final runs and, once the screen has ended, their
+        evaluations (and the seeds a widening adds)."""
+        first = [f"mpp/p{budget}" for budget in self.c.budgets]
+        wanted += [job for point in first for job in self.pretraining(point, self.c.seeds)]
         choices = {point: self.choice(point, results, []) for point in self.points()}
         widened = self.widened(choices, results)
         for point in self.points():
@@ -107,24 +112,46 @@ class Confirmation:
             wanted += self.pretraining(point, seeds)
             choice = self.choice(point, results, wanted)
             if choice is not None:
-                wanted += self.finals(point, choice["lr"], seeds) + self.evaluations(point, choice["lr"], seeds)
+                wanted += self.finals(point, choice["lr"], seeds)
+                wanted += self.evaluations(point, choice["lr"], seeds) if self.ended else []
         return choices
 
 
+def kept(screen: ScreenPlan, results: dict[str, dict]) -> tuple[Kept, dict[str, str] | None]:
+    """(each arm's recipe and lr, of the arms whose screen has ended: each lever's chosen value and the lr
+    of the last lever's, which the recipe of every value kept makes; MPP's recipe once each pretraining lever
+    has chosen, or None)."""
+    found: Kept = {}
+    pretraining = None
+    for arm, levers in screen.c.levers.items():
+        rows, done = screen.walk(arm, results, [])
+        chosen = {row["lever"]: row for row in rows if row["chosen"]}
+        if done:
+            found[arm] = {name: row["value"] for name, row in chosen.items()}, chosen[levers[-1].name]["lr"]
+        if arm == "mpp" and all(lever.name in chosen for lever in levers if lever.part == "pretrain"):
+            pretraining = {lever.name: chosen[lever.name]["value"] if lever.name in chosen else lever.values[0]
+                           for lever in levers}  # fmt: skip
+    return found, pretraining
+
+
 class ConfirmPlan:
-    """The screen's planner until the screen has ended, then the confirmation of what it kept."""
+    """The screen's planner, then (and, where it knows what it will run, beside it) the confirmation of what
+    the screen kept."""
 
     def __init__(self, screen: Screen) -> None:
         self.screen, self.c = ScreenPlan(screen), screen.confirm
 
     def confirmation(self, results: dict[str, dict]) -> Confirmation | None:
-        _, rows, ended = self.screen.screen(results)
-        return Confirmation(self.screen, self.c, kept(self.screen, rows)) if ended else None
+        """What the confirmation knows it will run so far; None before it knows anything."""
+        recipes, pretraining = kept(self.screen, results)
+        ended = set(recipes) == set(self.screen.c.levers)
+        return Confirmation(self.screen, self.c, recipes, pretraining, ended) if recipes or pretraining else None
 
     def wanted(self, results: dict[str, dict]) -> tuple[list[Job], dict[str, dict[str, Any] | None], bool]:
-        """(every job wanted so far, the confirmation's choices, whether the screen has ended)."""
+        """(every job wanted so far, the screen's before the confirmation's; the confirmation's choices;
+        whether the screen has ended)."""
         wanted, _, ended = self.screen.screen(results)
-        confirmation = self.confirmation(results) if ended else None
+        confirmation = self.confirmation(results)
         choices = confirmation.jobs(results, wanted) if confirmation else {}
         return list({job.name: job for job in wanted}.values()), choices, ended
 

@@ -39,7 +39,7 @@ def confirmed(plan: ConfirmPlan, out: Path, results: dict[str, dict]) -> dict[st
     point's over its seeds (experiments.finals.numbers), MPP − from scratch at each budget paired over the
     seeds both have, and the audit of every test-set read."""
     found = plan.confirmation(results)
-    if found is None:
+    if found is None or not found.recipes:
         return None
     choices = found.jobs(results, [])
     widened = found.widened(choices, results)
@@ -54,7 +54,7 @@ def confirmed(plan: ConfirmPlan, out: Path, results: dict[str, dict]) -> dict[st
 
     points = {point: point_numbers(point, found.seeds(point, widened)) or point_numbers(point, found.c.seeds)
               for point in found.points() if choices[point]}  # fmt: skip
-    scratch = points.get(found.points()[1])
+    scratch = points.get(found.scratch() or "")
     differences = {}
     for budget in found.c.budgets:
         mpp = points.get(f"mpp/p{budget}")

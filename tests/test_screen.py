@@ -231,9 +231,25 @@ def test_once_the_screen_has_ended_it_confirms_what_it_kept_on_the_test_set() ->
         return (0.7 if lr_of(name) in (1e-3, 0.12) else 0.6) + sum(wins.get(value, 0.0) for value in values)
 
     before = run_until_ended(screen, score)
-    # Until the screen's last run has finished, nothing reads the test set or pretrains longer.
+    # Until the screen's last run has finished, nothing reads the test set. What the confirmation will run
+    # anyway waits behind the screen's runs: MPP's longer pretraining once its pretraining levers have chosen.
     unfinished = dict(list(before.items())[:-1])
-    assert not any(job.reads_test or "p9600" in job.name for job in confirm.wanted(unfinished)[0])
+    wanted = [job.name for job in confirm.wanted(unfinished)[0]]
+    assert not any(job.reads_test for job in confirm.wanted(unfinished)[0])
+    own = list(dict.fromkeys(job.name for job in confirm.screen.screen(unfinished)[0]))
+    assert wanted[: len(own)] == own
+    assert wanted[len(own) : len(own) + 6] == [
+        f"pretrain/p{budget}/ratio=0.75/seed{seed}" for budget in (9600, 38400) for seed in range(3)
+    ]
+    decided = {name: result for name, result in before.items() if "layer_decay" not in name and "optimizer" not in name
+               and "drop_path" not in name and "steps=" not in name and not name.startswith("b1000/scratch/")}  # fmt: skip
+    early = confirm.confirmation(decided)
+    assert early is not None and early.recipes == {} and early.pretrained is not None
+    assert "pretrain/p9600/ratio=0.75/seed0" in [job.name for job in confirm.wanted(decided)[0]]
+    # From scratch's finals start once its own screen has ended, before MPP's has; their tests wait.
+    scratch_done = {**decided, **{name: result for name, result in before.items() if name.startswith("b1000/scratch/")}}
+    names = [job.name for job in confirm.wanted(scratch_done)[0]]
+    assert "b1000/scratch/drop_path=0.1/lr0.001/seed1" in names and not any(name.endswith("/test") for name in names)
     results = run_until_ended(confirm, score)
     assert set(before) <= set(results)
     found = confirm.confirmation(results)
