@@ -31,7 +31,20 @@ def summarise(settings: dict[str, Any], plan: ConfirmPlan, out: Path, command: s
         "machines": machine_counts(results), "test_reads": len(test_reads(out)),
         "wall_hours": elapsed(attempts) / 3600, "invocations": len(attempts),
         "run_hours": sum(result["wall_seconds"] for result in results.values()) / 3600,
+        "run_hours_by_part": run_hours_by_part(results),
     }  # fmt: skip
+
+
+def run_hours_by_part(results: dict[str, dict]) -> dict[str, float]:
+    """Hours of run time by part: MPP's pretraining, its fine-tuning, from scratch, and the evaluations that
+    read the test set (tests, frozen encoders)."""
+    parts: dict[str, float] = {}
+    for name, result in results.items():
+        kind = name.split("/")[1] if name.startswith(f"b{LABELS}/") else name.split("/")[0]
+        part = {"pretrain": "MPP pretraining", "mpp": "MPP fine-tuning", "scratch": "from scratch"}.get(kind, "")
+        part = "test-set evaluations" if result["kind"] != "fit" or not part else part
+        parts[part] = parts.get(part, 0.0) + result["wall_seconds"] / 3600
+    return parts
 
 
 def confirmed(plan: ConfirmPlan, out: Path, results: dict[str, dict]) -> dict[str, Any] | None:
@@ -101,9 +114,11 @@ def render(record: dict[str, Any]) -> str:
     confirmation = record.get("confirmation")
     if confirmation is None:
         lines.append(f"Test set: read {record['test_reads']} times (the screen reads the validation split only).")
+    by_part = record.get("run_hours_by_part") or {}
+    parts = " (" + ", ".join(f"{part} {hours:.1f} h" for part, hours in by_part.items()) + ")" if by_part else ""
     lines.append(
         f"Wall time: {record['wall_hours']:.1f} h over {record['invocations']} invocation(s); "
-        f"run time {record['run_hours']:.1f} h."
+        f"run time {record['run_hours']:.1f} h{parts}."
     )
     if confirmation is None:
         return "\n".join(lines)

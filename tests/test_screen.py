@@ -311,3 +311,15 @@ def test_the_confirmation_says_each_point_over_its_seeds_and_the_difference_it_m
     assert "| MPP pretrained 8 steps | 0.12 (0.12: 50.0) | 2 | 50.0 ± 0.0 | 90.0 ± 0.0 [90.0, 90.0] | 50.0 ± 0.0 | 50.0 ± 0.0 |" in lines
     assert "| from scratch, 8 steps | 0.001 (the screen's) | 2 | 50.0 ± 0.0 | 50.0 ± 0.0 [50.0, 50.0] |  |  |" in lines
     assert "MPP − from scratch (test top-1, paired over seeds): pretrained 8 steps: +40.0 pts [+40.0, +40.0]." in lines
+
+
+def test_the_run_time_is_told_by_part() -> None:
+    from experiments.screen_page import run_hours_by_part
+
+    results = {name: {"kind": kind, "wall_seconds": 1800} for name, kind in (
+        ("pretrain/p2400/paper/seed0", "fit"), ("pretrain/p9600/paper/seed1", "fit"),
+        ("b1000/mpp/paper/paper/lr0.12/seed0", "fit"), ("b1000/mpp/p9600/paper/paper/lr0.12/seed1/test", "test"),
+        ("b1000/scratch/paper/lr0.001/seed0", "fit"), ("frozen/pretrain/p9600/paper/seed1", "frozen"))}  # fmt: skip
+    assert run_hours_by_part(results) == {
+        "MPP pretraining": 1.0, "MPP fine-tuning": 0.5, "test-set evaluations": 1.0, "from scratch": 0.5,
+    }  # fmt: skip
