@@ -65,8 +65,9 @@ def confirmed(plan: ConfirmPlan, out: Path, results: dict[str, dict]) -> dict[st
         finals = dict(zip(seeds, found.finals(point, choice["lr"], seeds)))  # type: ignore[index]
         return numbers(choice, finals, [job.name for job in found.pretraining(point, seeds)], results)  # type: ignore[arg-type]
 
-    points = {point: point_numbers(point, found.seeds(point, widened)) or point_numbers(point, found.c.seeds)
-              for point in found.points() if choices[point]}  # fmt: skip
+    measured = {point: point_numbers(point, found.seeds(point, widened)) or point_numbers(point, found.c.seeds)
+                for point in found.points() if choices[point]}  # fmt: skip
+    points = {point: entry for point, entry in measured.items() if entry}  # each once its final runs are tested
     scratch = points.get(found.scratch() or "")
     differences = {}
     for budget in found.c.budgets:
@@ -158,6 +159,10 @@ def render_confirmation(found: dict[str, Any], settings: dict[str, Any]) -> list
         frozen = [pct(entry["frozen"][key]) if "frozen" in entry else "" for key in ("k-NN", "linear probe")]
         lines.append(f"| {name} | {entry['lr']:g} ({grid}) | {test['n']} | {pct(entry['validation'])} | "
                      f"{pct(test)}{span} | {frozen[0]} | {frozen[1]} |")  # fmt: skip
+    if not found["points"]:
+        lines.append(
+            "| no point measured yet: each once its final runs are tested, after the whole screen | | | | | | |"
+        )
     lines += ["", "MPP − from scratch (test top-1, paired over seeds): "
               + ("; ".join(f"pretrained {int(b):,} steps: {interval(d)}" for b, d in found["differences"].items()) or "not measured yet")
               + "."]  # fmt: skip

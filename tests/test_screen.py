@@ -323,3 +323,19 @@ def test_the_run_time_is_told_by_part() -> None:
     assert run_hours_by_part(results) == {
         "MPP pretraining": 1.0, "MPP fine-tuning": 0.5, "test-set evaluations": 1.0, "from scratch": 0.5,
     }  # fmt: skip
+
+
+def test_a_confirmation_under_way_says_what_it_knows(tmp_path) -> None:
+    """From scratch's screen has ended, MPP's has not: its recipe and no point yet, and a page to show."""
+    from experiments.screen_page import confirmed
+
+    screen = plan()
+    confirm = ConfirmPlan(screen.c)
+    before = run_until_ended(screen, lambda name: 0.7 if lr_of(name) in (1e-3, 0.12) else 0.6)
+    partial = {name: result for name, result in before.items() if not ("/mpp/" in name and "steps=" in name)}
+    found = confirmed(confirm, tmp_path, partial)
+    assert found is not None and list(found["recipes"]) == ["scratch"] and found["points"] == {}
+    lines = render_confirmation(found, screen.c.as_dict()["confirm"])
+    assert "The recipes kept: scratch drop_path=0, steps=10100 (lr 0.001)." in lines[2]
+    assert any(line.startswith("| no point measured yet") for line in lines)
+    assert "MPP − from scratch (test top-1, paired over seeds): not measured yet." in lines
