@@ -31,12 +31,15 @@ def option(job: Job, flag: str) -> str:
 
 
 def run_until_ended(
-    screen: ScreenPlan | ConfirmPlan, score: Scores, limit: int = 400, results: dict[str, dict] | None = None
+    screen: ScreenPlan | ConfirmPlan, score: Scores, limit: int = 400, each: Callable[[dict], object] = lambda results: None
 ) -> dict[str, dict]:
     """Finish every ready job until the plan ends: a fit with validation top-1 `score(name)`, a test with
-    test top-1 `score(name)`, a frozen evaluation with k-NN and probe top-1 `score(name)`."""
-    results = {} if results is None else results
+    test top-1 `score(name)`, a frozen evaluation with k-NN and probe top-1 `score(name)`; `each(results)`
+    at every turn."""
+    results: dict[str, dict] = {}
     for _ in range(limit):
+        screen.all_choices(results)  # as the runner records them at every turn
+        each(results)
         ready, ended = screen.ready(results)
         if ended:
             return results
@@ -211,8 +214,9 @@ def test_a_finished_run_a_fit_starts_from_is_made_again_where_its_weights_are_no
     assert remake_lost(ConfirmPlan(screen.c), tmp_path) == []  # once: it is now a run to make like any other
 
 
-def test_once_the_screen_has_ended_it_confirms_what_it_kept_on_the_test_set() -> None:
+def test_once_the_screen_has_ended_it_confirms_what_it_kept_on_the_test_set(tmp_path) -> None:
     from experiments.finals import audit
+    from experiments.screen_page import confirmed
 
     screen = plan()
     confirm = ConfirmPlan(screen.c)
@@ -250,8 +254,14 @@ def test_once_the_screen_has_ended_it_confirms_what_it_kept_on_the_test_set() ->
     scratch_done = {**decided, **{name: result for name, result in before.items() if name.startswith("b1000/scratch/")}}
     names = [job.name for job in confirm.wanted(scratch_done)[0]]
     assert "b1000/scratch/drop_path=0.1/lr0.001/seed1" in names and not any(name.endswith("/test") for name in names)
-    results = run_until_ended(confirm, score)
-    assert set(before) <= set(results)
+    pages = []  # the page at every turn, as a screen that stops there writes it
+
+    def page(results: dict[str, dict]) -> None:
+        found = confirmed(confirm, tmp_path, results)
+        pages.append(render_confirmation(found, screen.c.as_dict()["confirm"]) if found else None)
+
+    results = run_until_ended(confirm, score, each=page)
+    assert set(before) <= set(results) and pages[0] is None and pages[-1] is not None
     found = confirm.confirmation(results)
     assert found is not None and found.recipes == {
         "mpp": ({"ratio": "0.75", "layout": "scattered", "target": "mean_colour", "layer_decay": "1",
