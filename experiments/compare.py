@@ -197,18 +197,18 @@ def render(
 def recipe(hparams: dict[str, dict[str, Any]]) -> str:
     """Which recipe each run took, from its checkpoint's hyperparameters (every default filled in): the
     corruption and target of the pretraining, the optimiser, layer decay and drop path of both arms."""
-    corruption, target = hparams["pretrain"]["corruption"], hparams["pretrain"]["target"]
-    predicts = {"mean_colour": f"the {target['bits']}-bit mean colour",
-                "downsized_colour": f"the {target['cells']} x {target['cells']} downsized {target['bits']}-bit colours"}  # fmt: skip
     arms = []
+    if "corruption" in hparams["pretrain"]:  # an MPP pretraining (--pretrained may name another checkpoint)
+        corruption, target = hparams["pretrain"]["corruption"], hparams["pretrain"]["target"]
+        predicts = {"mean_colour": f"the {target['bits']}-bit mean colour",
+                    "downsized_colour": f"the {target['cells']} x {target['cells']} downsized {target['bits']}-bit colours"}  # fmt: skip
+        arms.append(f"pretraining corrupts {corruption['ratio']:.0%} of the patches ({corruption['layout']}) and "
+                    f"predicts {predicts.get(target['kind'], target['kind'])}")  # fmt: skip
     for arm, label in (("finetune", "fine-tuning"), ("scratch", "from scratch")):
         optimiser, encoder = hparams[arm]["optimizer"], hparams[arm]["encoder"]
         decay = f", layer decay {optimiser['layer_decay']:g}" if arm == "finetune" else ""
         arms.append(f"{label} {optimiser['name']}{decay}, drop path {encoder['drop_path']:g}")
-    return (
-        f"Recipe: pretraining corrupts {corruption['ratio']:.0%} of the patches ({corruption['layout']}) and predicts "
-        f"{predicts.get(target['kind'], target['kind'])}; " + "; ".join(arms) + "."
-    )
+    return "Recipe: " + "; ".join(arms) + "."
 
 
 def plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
