@@ -117,17 +117,16 @@ class Confirmation:
         return choices
 
 
-def kept(screen: ScreenPlan, results: dict[str, dict]) -> tuple[Kept, dict[str, str] | None]:
-    """(each arm's recipe and lr, of the arms whose screen has ended: each lever's chosen value and the lr
-    of the last lever's, which the recipe of every value kept makes; MPP's recipe once each pretraining lever
-    has chosen, or None)."""
+def kept(screen: ScreenPlan, rows: list[dict[str, Any]]) -> tuple[Kept, dict[str, str] | None]:
+    """From the rows of a screen so far (ScreenPlan.screen): (each arm's recipe and lr, of the arms whose
+    every lever has chosen: each lever's value and the lr of the last lever's, which the recipe of every
+    value kept makes; MPP's recipe once each pretraining lever has chosen, or None)."""
     found: Kept = {}
     pretraining = None
     for arm, levers in screen.c.levers.items():
-        rows, done = screen.walk(arm, results, [])
-        chosen = {row["lever"]: row for row in rows if row["chosen"]}
-        if done:
-            found[arm] = {name: row["value"] for name, row in chosen.items()}, chosen[levers[-1].name]["lr"]
+        chosen = {row["lever"]: row for row in rows if row["arm"] == arm and row["chosen"]}
+        if all(lever.name in chosen for lever in levers):
+            found[arm] = {lever.name: chosen[lever.name]["value"] for lever in levers}, chosen[levers[-1].name]["lr"]
         if arm == "mpp" and all(lever.name in chosen for lever in levers if lever.part == "pretrain"):
             pretraining = {lever.name: chosen[lever.name]["value"] if lever.name in chosen else lever.values[0]
                            for lever in levers}  # fmt: skip
@@ -141,17 +140,18 @@ class ConfirmPlan:
     def __init__(self, screen: Screen) -> None:
         self.screen, self.c = ScreenPlan(screen), screen.confirm
 
-    def confirmation(self, results: dict[str, dict]) -> Confirmation | None:
-        """What the confirmation knows it will run so far; None before it knows anything."""
-        recipes, pretraining = kept(self.screen, results)
+    def confirmation(self, results: dict[str, dict], rows: list[dict[str, Any]] | None = None) -> Confirmation | None:
+        """What the confirmation knows it will run so far, given the screen's rows so far (made from
+        `results` where not given); None before it knows anything."""
+        recipes, pretraining = kept(self.screen, self.screen.screen(results)[1] if rows is None else rows)
         ended = set(recipes) == set(self.screen.c.levers)
         return Confirmation(self.screen, self.c, recipes, pretraining, ended) if recipes or pretraining else None
 
     def wanted(self, results: dict[str, dict]) -> tuple[list[Job], dict[str, dict[str, Any] | None], bool]:
         """(every job wanted so far, the screen's before the confirmation's; the confirmation's choices;
         whether the screen has ended)."""
-        wanted, _, ended = self.screen.screen(results)
-        confirmation = self.confirmation(results)
+        wanted, rows, ended = self.screen.screen(results)
+        confirmation = self.confirmation(results, rows)
         choices = confirmation.jobs(results, wanted) if confirmation else {}
         return list({job.name: job for job in wanted}.values()), choices, ended
 
