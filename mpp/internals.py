@@ -145,8 +145,9 @@ def _wandb_logger() -> str:
 
 
 def _wandb_run() -> str:
-    """Starts an offline run, and then stops the W&B service it started and takes back the environment
-    it set (WANDB_SERVICE): runs this process starts later must not share a service with it."""
+    """Starts an offline run. Where that started a W&B service, stops it and takes back the environment
+    it set (WANDB_SERVICE): runs this process starts later must not share a service with it. A service
+    that was running before (named in WANDB_SERVICE) stays: stopping it would leave its name behind."""
     import wandb
 
     environment = dict(os.environ)
@@ -156,7 +157,8 @@ def _wandb_run() -> str:
             holds = hasattr(getattr(run, "_settings", None), "quiet")
         finally:
             run.finish()
-            wandb.teardown()
+            if "WANDB_SERVICE" not in environment:
+                wandb.teardown()
             os.environ.clear()
             os.environ.update(environment)
     return "" if holds else "a run has no _settings with quiet"

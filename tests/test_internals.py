@@ -29,6 +29,23 @@ def test_a_change_is_named_with_its_library_and_user() -> None:
     assert dict(os.environ) == environment
 
 
+def test_the_probes_leave_a_service_that_was_running_before_them_running(tmp_path: Path) -> None:
+    # A run finished without teardown leaves its service up and named in WANDB_SERVICE, as a test or a
+    # notebook may before the probes run: the probes must neither stop it nor leave its name dangling.
+    import wandb
+
+    wandb.init(mode="offline", dir=tmp_path, settings=wandb.Settings(silent=True)).finish()
+    try:
+        service = os.environ["WANDB_SERVICE"]
+        assert changed() == []
+        assert changed() == []
+        assert os.environ["WANDB_SERVICE"] == service
+        wandb.init(mode="offline", dir=tmp_path, settings=wandb.Settings(silent=True)).finish()
+    finally:
+        wandb.teardown()
+    assert "WANDB_SERVICE" not in os.environ
+
+
 def private_uses(path: Path) -> list[str]:
     """`x._name` attributes of objects other than self and cls, and `from lib import _name`, in a file."""
     found = []
