@@ -51,14 +51,14 @@ study: $(VENV)/.installed
 	$(BIN)/python -m experiments.study --results results/study
 
 # Lint, format and types first (seconds), then the tests on two workers, a file to a worker, in the
-# order tests/conftest.py sets (--no-loadscope-reorder keeps it).
+# order tests/conftest.py sets (--no-loadscope-reorder keeps it); the 20 longest tests close the output.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed
 	$(BIN)/ruff check mpp experiments benchmarks tests
 	$(BIN)/ruff format --check mpp experiments benchmarks
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q $(XDIST)
+	$(BIN)/python -m pytest -q --durations=20 $(XDIST)
 
 test-slow: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m slow $(XDIST)
