@@ -57,3 +57,17 @@ def offline_wandb() -> Iterator[None]:
         patch.setenv("WANDB_MODE", "offline")
         patch.delenv("WANDB_API_KEY", raising=False)
         yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_wandb_service_left_running() -> Iterator[None]:
+    """A W&B run started in this process leaves its service up and named in WANDB_SERVICE; a test file
+    that started one stops it, so that runs started later (by this worker's next file, or by a run
+    it launches) do not share it: a shared service keeps a killed run's id "in use" for its resume."""
+    named_before = "WANDB_SERVICE" in os.environ
+    yield
+    if not named_before and "WANDB_SERVICE" in os.environ:
+        import wandb
+
+        wandb.teardown()
+        os.environ.pop("WANDB_SERVICE", None)

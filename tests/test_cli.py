@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,8 +167,7 @@ def test_credentials_reach_no_saved_config_log_checkpoint_or_wandb_record(tmp_pa
     secrets = {"signature": "sig0123456789abcdef", "WANDB_API_KEY": "wandbkey0123456789abcdef0123456789abcdef",
                "AWS_SECRET_ACCESS_KEY": "awssecret0123456789"}
     signed = f"http://127.0.0.1:{server.server_address[1]}/train-{{000000..000001}}.tar?X-Amz-Signature={secrets['signature']}"
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
-           "WANDB_API_KEY": secrets["WANDB_API_KEY"], "AWS_SECRET_ACCESS_KEY": secrets["AWS_SECRET_ACCESS_KEY"]}
+    env = environment(WANDB_API_KEY=secrets["WANDB_API_KEY"], AWS_SECRET_ACCESS_KEY=secrets["AWS_SECRET_ACCESS_KEY"])
     command = [sys.executable, "-m", "mpp", "fit", "--config", str(DEMO), *QUICK, "--trainer.max_steps", "2",
                "--data.train", signed, "--data.val", signed, "--trainer.default_root_dir", str(tmp_path)]
     try:

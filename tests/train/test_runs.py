@@ -14,7 +14,7 @@ import torch
 import yaml
 from probes import digest, records
 from shardkit import write_shards
-from workspace import TESTS, time_limit
+from workspace import environment, time_limit
 
 from mpp.outputs.wandb_records import (
     FILE_HEADER,
@@ -32,8 +32,7 @@ PER_SHARD = 6
 def mpp_fit(config: dict, tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     path = tmp_path / f"config-{len(list(tmp_path.glob('config-*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "WANDB_MODE": "offline"}
+    env = environment()  # without WANDB_SERVICE: a service of this process would hold the killed run's id
     command = [sys.executable, "-m", "mpp", "fit", "--config", str(path), *args]
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=time_limit(timeout))
 
