@@ -34,7 +34,7 @@ lock:
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install --upgrade pip
 	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
-	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[test,experiments]"
+	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install -e ".[test]"
 	{ grep '^#' requirements.lock; $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable \
 		| grep -v -E '^(torch|triton|nvidia-|pip)[=-]'; } > requirements.lock.new
 	mv requirements.lock.new requirements.lock

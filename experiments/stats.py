@@ -7,14 +7,36 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from scipy import stats
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with a whole number `df` of degrees of freedom, in closed form
+    (Abramowitz and Stegun 26.7.3-4): with theta = atan(|t| / sqrt(df)), c = cos(theta),
+    P(|T| <= |t|) is (2 / pi)(theta + sin(theta) c (1 + 2/3 c^2 + 2 4/(3 5) c^4 + ...)) for odd df and
+    sin(theta) (1 + 1/2 c^2 + 1 3/(2 4) c^4 + ...) for even df, each sum ending at the power df - 2."""
+    if df < 1:
+        raise ValueError(f"t_cdf needs df >= 1, got {df}")
+    theta = math.atan(abs(t) / math.sqrt(df))
+    sin, cos = math.sin(theta), math.cos(theta)
+    term, total = 1.0, 1.0
+    for k in range(1, (df - 1) // 2 if df % 2 else df // 2):
+        term *= cos * cos * ((2 * k) / (2 * k + 1) if df % 2 else (2 * k - 1) / (2 * k))
+        total += term
+    inside = 2 / math.pi * (theta + (sin * cos * total if df > 1 else 0.0)) if df % 2 else sin * total
+    return 0.5 + math.copysign(inside, t) / 2
 
 
 def t_quantile(p: float, df: int) -> float:
-    """The t value with P(T <= t) = p of Student's t with `df` degrees of freedom (scipy.stats.t)."""
+    """The t value with P(T <= t) = p of Student's t with `df` degrees of freedom: t_cdf inverted by
+    bisection on theta = atan(t / sqrt(df)) in [0, pi/2), where P rises from 0.5 towards 1."""
     if not 0.5 <= p < 1 or df < 1:
         raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
-    return float(stats.t.ppf(p, df))
+    low, high = 0.0, math.pi / 2
+    for _ in range(200):  # the interval halves each time: it ends at the floats' resolution
+        middle = (low + high) / 2
+        if middle in (low, high):
+            break
+        low, high = (middle, high) if t_cdf(math.sqrt(df) * math.tan(middle), df) < p else (low, middle)
+    return math.sqrt(df) * math.tan((low + high) / 2)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ def locked() -> dict[str, str]:
     return {canonical(pin.split("==")[0]): pin.split("==")[1] for pin in pins}
 
 
-def needed(name: str = "mpp", extras: tuple[str, ...] = ("test", "experiments"), found: set[str] | None = None) -> set[str]:
+def needed(name: str = "mpp", extras: tuple[str, ...] = ("test",), found: set[str] | None = None) -> set[str]:
     """The installed distributions `name` needs with `extras`, and what they need, and so on."""
     found = set() if found is None else found
     for line in metadata.requires(name) or []:

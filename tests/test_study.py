@@ -20,7 +20,7 @@ from experiments.plan import Plan, outline
 from experiments.report import audit_test_reads
 from experiments.reuse import covers, extends, note_arms, reuse_runs
 from experiments.settings import ARMS, FIRST_ARMS, VARIANTS, Settings, Splits
-from experiments.stats import paired, summarise, t_quantile
+from experiments.stats import paired, summarise, t_cdf, t_quantile
 
 STUDIES = ["compare", "study", "curve", "screen", "levers", "leakage", "pages"]
 
@@ -35,10 +35,26 @@ def test_the_experiments_are_the_studies_and_their_harness() -> None:
 def test_every_study_says_how_to_use_it(name: str, monkeypatch, capsys) -> None:
     assert help_of(f"experiments.{name}", monkeypatch, capsys).startswith("usage:")
 
-@pytest.mark.parametrize(("df", "expected"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (30, 2.0423)])
-def test_t_quantiles_are_the_tables(df: int, expected: float) -> None:
-    assert t_quantile(0.975, df) == pytest.approx(expected, abs=5e-4)
-    assert t_quantile(0.95, 1) == pytest.approx(6.3138, abs=5e-4)
+# Student's t quantiles to 13 digits (the standard tables, e.g. scipy.stats.t.ppf): 97.5%, 95% and 99.5%.
+T_TABLE = [(0.975, 1, 12.70620473617), (0.975, 2, 4.302652729749), (0.975, 3, 3.182446305284),
+           (0.975, 4, 2.776445105198), (0.975, 9, 2.262157162798), (0.975, 29, 2.045229642133),
+           (0.975, 100, 1.983971518524), (0.95, 1, 6.313751514675), (0.95, 5, 2.015048373333),
+           (0.995, 2, 9.924843200918), (0.995, 30, 2.749995653567)]
+
+
+@pytest.mark.parametrize(("p", "df", "expected"), T_TABLE)
+def test_t_quantiles_are_the_tables(p: float, df: int, expected: float) -> None:
+    assert t_quantile(p, df) == pytest.approx(expected, rel=1e-11)
+    assert t_cdf(expected, df) == pytest.approx(p, abs=1e-12)
+    assert t_cdf(-expected, df) == pytest.approx(1 - p, abs=1e-12)
+
+
+def test_the_t_distribution_is_symmetric_and_refuses_what_it_has_no_value_for() -> None:
+    assert t_cdf(0.0, 7) == 0.5 and t_quantile(0.5, 7) == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError):
+        t_quantile(0.4, 3)
+    with pytest.raises(ValueError):
+        t_quantile(0.975, 0)
 
 
 def test_summaries_and_paired_differences() -> None:
