@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 from probes import records
-from workspace import NO_BF16, ROOT, console_script, environment, make_workspace, run
+from workspace import NO_BF16, ROOT, console_script, environment, fewshot_on_fewer_images, make_workspace, run
 
 from mpp.config import read_config
 
@@ -92,7 +92,7 @@ def shrink(name: str, *, full: bool = False) -> list[str]:
         args += ["--data.samples_per_epoch", str(4 * BATCH)]
     if image_size(name, full=full) != image_size(name, full=True):
         args += ["--model.init_args.encoder.image_size", str(image_size(name))]
-    return args
+    return args + fewshot_on_fewer_images(["mpp", "fit", "--config", f"configs/{name}"], ROOT)
 
 
 def expected_batch_and_lr(name: str, *, batch: int = BATCH, devices: int = 1) -> tuple[int, float]:

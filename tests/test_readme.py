@@ -37,6 +37,7 @@ from workspace import (
     ROOT,
     console_script,
     environment,
+    fewshot_on_fewer_images,
     make_workspace,
     run,
     time_limit,
@@ -286,6 +287,8 @@ def test_mpp_commands_run_as_written(user: Path, command: list[str]) -> None:
         extra += ["--trainer.accelerator", "cpu"]  # no GPU here; the page says so
     if not any(re.fullmatch(r"configs/model/vit_[lh]\.yaml", arg) for arg in argv):  # ViT-L/H: slow, at full size
         extra += small_images(argv)
+    if "--print_config" not in argv:
+        extra += fewshot_on_fewer_images(argv, user)
     result, seconds = run([console_script("mpp"), *argv[1:], *extra], user, env=user_env(user))
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout + result.stderr
