@@ -12,11 +12,9 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # imported where records are read: all of wandb comes with it (0.6 s), which a
-    # process that never reads or writes a W&B run (another DDP rank, a run without W&B) goes without
-    from wandb.proto import wandb_internal_pb2
+from wandb.proto import wandb_internal_pb2
 
 BLOCK = 32 * 1024
 FILE_HEADER = 7
@@ -34,8 +32,6 @@ def read_records(path: Path, offset: int = FILE_HEADER) -> tuple[list[wandb_inte
     offset after the last of them: where to read on once a running run's file has grown. The
     file may end inside a record (wandb writes a full block at once, and a write may be under
     way): that record is left for the next read."""
-    from wandb.proto import wandb_internal_pb2
-
     with open(path, "rb") as file:
         file.seek(offset)
         data = file.read()
