@@ -82,6 +82,14 @@ def confirmed(plan: ConfirmPlan, out: Path, results: dict[str, dict]) -> dict[st
     }  # fmt: skip
 
 
+def decimals(rows: list[dict[str, Any]]) -> dict[tuple[str, str], int]:
+    """Two decimals for a lever whose values differ but print alike at one, so the page shows which won."""
+    values: dict[tuple[str, str], set[float]] = {}
+    for row in rows:
+        values.setdefault((row["arm"], row["lever"]), set()).add(row["val_accuracy"])
+    return {key: 2 if len({f"{100 * v:.1f}" for v in found}) < len(found) else 1 for key, found in values.items()}
+
+
 def render(record: dict[str, Any]) -> str:
     """The screen's table: a row per value tried, and what was kept."""
     settings = record["settings"]
@@ -99,11 +107,13 @@ def render(record: dict[str, Any]) -> str:
         "| arm | lever | value | lr (validation top-1 per lr) | validation top-1 | kept |",
         "|---|---|---|---|---|---|",
     ]
+    digits = decimals(record["rows"])
     for row in record["rows"]:
         grid = ", ".join(f"{lr[2:]}: {100 * v:.1f}" for lr, v in row["grid"].items())
         edge = "; best at the edge" if row["edge"] else ""
+        top1 = f"{100 * row['val_accuracy']:.{digits[row['arm'], row['lever']]}f}"
         lines.append(f"| {row['arm']} | {row['lever']} | {row['value']} | {row['lr']:g} ({grid}{edge}) | "
-                     f"{100 * row['val_accuracy']:.1f} | {'yes' if row['chosen'] else ''} |")  # fmt: skip
+                     f"{top1} | {'yes' if row['chosen'] else ''} |")  # fmt: skip
     kept = {
         arm: ", ".join(f"{k}={v}" for k, v in values.items()) or "none yet" for arm, values in record["kept"].items()
     }

@@ -16,7 +16,7 @@ import pytest
 from experiments.confirm_plan import ConfirmPlan
 from experiments.plan import Job
 from experiments.screen import outline, screen_from
-from experiments.screen_page import render, render_confirmation
+from experiments.screen_page import decimals, render, render_confirmation
 from experiments.screen_plan import ScreenPlan
 
 Scores = Callable[[str], float]
@@ -182,6 +182,14 @@ def test_the_table_says_what_was_kept_and_that_the_test_set_was_not_read(tmp_pat
     assert "| mpp | ratio | 0.75 | 0.12 (0.12: 50.0) | 50.0 |  |" in table  # a tie keeps today's value
     assert "Kept so far: mpp: ratio=0.5; scratch: none yet." in table and "The screen has ended." in table
     assert "Test set: read 0 times" in table and "every run here is 32-true" in table
+
+
+def test_a_lever_won_by_less_than_the_page_rounds_to_prints_two_decimals() -> None:
+    row = {"arm": "scratch", "lever": "drop_path", "lr": 1e-3, "grid": {"lr0.001": 0.8098}, "edge": False}
+    rows = [{**row, "value": "0", "val_accuracy": 0.8098, "chosen": False},
+            {**row, "value": "0.1", "val_accuracy": 0.8104, "chosen": True},
+            {**row, "lever": "steps", "value": "500", "val_accuracy": 0.8104, "chosen": True}]  # fmt: skip
+    assert decimals(rows) == {("scratch", "drop_path"): 2, ("scratch", "steps"): 1}
 
 
 def test_the_plan_names_each_lever_and_counts_the_runs_of_the_first_grids() -> None:
