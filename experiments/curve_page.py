@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from experiments.curve_plan import LABELS, SCRATCH_ARMS  # noqa: E402
-from experiments.report import interval, pct  # noqa: E402
+from experiments.report import computed_on, interval, pct  # noqa: E402
 
 PAIRS = {"mpp - plateau": ("mpp", "plateau"), "mpp - matched": ("mpp", "matched"),
          "supervised - mpp": ("supervised", "mpp")}  # fmt: skip
@@ -48,7 +48,7 @@ def render(record: dict[str, Any], command: str) -> str:
         + "; ".join(record["plan"])
         + ".",
         "",
-        "Runs computed on: " + "; ".join(f"{k}: {n} runs" for k, n in record["machines"].items()) + ".",
+        computed_on(record["machines"]),
         "",
     ]
     lines += [

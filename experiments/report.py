@@ -137,15 +137,24 @@ def write_results(folders: Sequence[Path], name: str, record: dict[str, Any], ta
         (folder / f"{name}.md").write_text(table + "\n")
 
 
-def machine_counts(results: dict[str, dict]) -> dict[str, int]:
-    """{what a run computed on (CPU, precision, threads, torch): runs}, a resumed run once per machine."""
+def machine_counts(results: dict[str, dict], pinned: str | None = None) -> dict[str, int]:
+    """{what a run computed on (CPU, precision, threads, torch): runs}, a resumed run once per machine. The
+    precision is the one the CPU takes, or `pinned` where the runs set it (the CPU then said by its bf16)."""
     machines: dict[str, int] = {}
     for result in results.values():
         for entry in result.get("machines", []):
             threads = f"{entry['threads']} thread" + ("s" if entry["threads"] != 1 else "")
-            key = f"{entry['cpu']} ({entry['precision']}, {threads}, torch {entry['torch']})"
+            bf16 = "with bf16 instructions" if entry["bf16"] else "without bf16 instructions"
+            precision = f"{bf16}; {pinned}" if pinned else entry["precision"]
+            key = f"{entry['cpu']} ({precision}, {threads}, torch {entry['torch']})"
             machines[key] = machines.get(key, 0) + 1
     return machines
+
+
+def computed_on(machines: dict[str, int]) -> str:
+    """The line that says what a study's runs computed on (machine_counts)."""
+    counts = [f"{machine}: {n} run" + ("s" if n != 1 else "") for machine, n in machines.items()]
+    return "Runs computed on: " + "; ".join(counts) + "."
 
 
 def pct(summary: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from experiments.confirm_plan import ConfirmPlan
 from experiments.curve_plan import LABELS
 from experiments.finals import audit, numbers
 from experiments.jobs import read_results, test_reads
-from experiments.report import interval, machine_counts, pct
+from experiments.report import computed_on, interval, machine_counts, pct
 from experiments.stats import paired
 from experiments.timing import elapsed
 
@@ -28,11 +28,17 @@ def summarise(settings: dict[str, Any], plan: ConfirmPlan, out: Path, command: s
     return {
         "command": command, "settings": settings, "rows": rows, "kept": recipes, "ended": ended,
         "confirmation": confirmed(plan, out, results),
-        "machines": machine_counts(results), "test_reads": len(test_reads(out)),
+        "machines": machine_counts(results, pinned=precision(settings)), "test_reads": len(test_reads(out)),
         "wall_hours": elapsed(attempts) / 3600, "invocations": len(attempts),
         "run_hours": sum(result["wall_seconds"] for result in results.values()) / 3600,
         "run_hours_by_part": run_hours_by_part(results),
     }  # fmt: skip
+
+
+def precision(settings: dict[str, Any]) -> str:
+    """The precision every run of the screen computes in (its overrides pin it)."""
+    overrides = settings["study"]["overrides"]
+    return overrides[overrides.index("--trainer.precision") + 1]
 
 
 def run_hours_by_part(results: dict[str, dict]) -> dict[str, float]:
@@ -93,16 +99,12 @@ def decimals(rows: list[dict[str, Any]]) -> dict[tuple[str, str], int]:
 def render(record: dict[str, Any]) -> str:
     """The screen's table: a row per value tried, and what was kept."""
     settings = record["settings"]
-    overrides = settings["study"]["overrides"]
-    precision = overrides[overrides.index("--trainer.precision") + 1]
     lines = [
         f"Made by `{record['command']}`. Seed 0; validation top-1 at the last step on the held-out split "
         f"({settings['study']['splits']['val']}); MPP pretrained {settings['pretrain_steps']:,} steps, "
         f"every run at {LABELS:,} labels. Each value's lr is the best of its own grid.",
         "",
-        "Runs computed on: "
-        + "; ".join(f"{k}: {n} runs" for k, n in record["machines"].items())
-        + f" (the precision the CPU would take; every run here is {precision}).",
+        computed_on(record["machines"]),
         "",
         "| arm | lever | value | lr (validation top-1 per lr) | validation top-1 | kept |",
         "|---|---|---|---|---|---|",

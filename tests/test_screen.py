@@ -15,8 +15,9 @@ import pytest
 
 from experiments.confirm_plan import ConfirmPlan
 from experiments.plan import Job
+from experiments.report import machine_counts
 from experiments.screen import outline, screen_from
-from experiments.screen_page import decimals, render, render_confirmation
+from experiments.screen_page import decimals, precision, render, render_confirmation
 from experiments.screen_plan import ScreenPlan
 
 Scores = Callable[[str], float]
@@ -171,7 +172,7 @@ def test_the_table_says_what_was_kept_and_that_the_test_set_was_not_read(tmp_pat
         "rows": rows,
         "kept": {"mpp": {"ratio": "0.5"}, "scratch": {}},
         "ended": ended,
-        "machines": {"a CPU (32-true, 1 thread, torch 2)": 11},
+        "machines": machine_counts(ran_on(True, False), pinned=precision(screen.c.as_dict())),
         "test_reads": 0,
         "wall_hours": 0.1,
         "invocations": 1,
@@ -181,7 +182,23 @@ def test_the_table_says_what_was_kept_and_that_the_test_set_was_not_read(tmp_pat
     assert "| mpp | ratio | 0.5 | 0.12 (0.12: 50.0) | 50.0 | yes |" in table
     assert "| mpp | ratio | 0.75 | 0.12 (0.12: 50.0) | 50.0 |  |" in table  # a tie keeps today's value
     assert "Kept so far: mpp: ratio=0.5; scratch: none yet." in table and "The screen has ended." in table
-    assert "Test set: read 0 times" in table and "every run here is 32-true" in table
+    assert "Test set: read 0 times" in table
+    assert "Runs computed on: a CPU (with bf16 instructions; 32-true, 1 thread, torch 2): 1 run; " in table
+    assert "a CPU (without bf16 instructions; 32-true, 1 thread, torch 2): 1 run." in table
+
+
+def ran_on(*bf16s: bool) -> dict[str, dict]:
+    """Results of one run per machine entry, each on a CPU with or without bf16 instructions."""
+    machine = {"cpu": "a CPU", "threads": 1, "torch": "2"}
+    return {f"run{i}": {"machines": [{**machine, "bf16": bf16, "precision": "bf16-mixed" if bf16 else "32-true"}]}
+            for i, bf16 in enumerate(bf16s)}  # fmt: skip
+
+
+def test_machine_counts_name_the_precision_a_study_pins_and_else_the_one_the_cpu_takes():
+    assert machine_counts(ran_on(True, False)) == {
+        "a CPU (bf16-mixed, 1 thread, torch 2)": 1, "a CPU (32-true, 1 thread, torch 2)": 1}  # fmt: skip
+    assert machine_counts(ran_on(True, True), pinned="32-true") == {
+        "a CPU (with bf16 instructions; 32-true, 1 thread, torch 2)": 2}  # fmt: skip
 
 
 def test_a_lever_won_by_less_than_the_page_rounds_to_prints_two_decimals() -> None:
